@@ -1,0 +1,141 @@
+"""Batch planners: one pure function per strategy, registered by name.
+
+A planner maps ``(lengths, spec, rng)`` to the batches of one epoch; :func:`plan_batches` seeds the rng
+from ``(seed, epoch)`` and wraps the result in a :class:`~smart_batching.plan.BatchPlan`.
+
+=================  ==========================================================================
+name               what it does
+=================  ==========================================================================
+``random``         shuffle, fixed batch size, pad to the longest in each batch (baseline)
+``max_length``     shuffle, fixed batch size, pad every row to one length (baseline)
+``group_by_length`` fixed batch size, similar lengths together (HF megabatches or full sort)
+``token_budget``   variable batch size under a padded-token budget
+``packed``         several examples per fixed-capacity row, best-fit-decreasing
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from smart_batching.errors import ConfigError
+from smart_batching.plan import BatchPlan, as_lengths
+from smart_batching.planners._common import OVERLONG_POLICIES, PlannerSpec, PlanParts
+from smart_batching.planners.group_by_length import GroupByLengthSpec, plan_group_by_length
+from smart_batching.planners.max_length import MaxLengthSpec, plan_max_length
+from smart_batching.planners.packed import PackedSpec, plan_packed
+from smart_batching.planners.random import RandomSpec, plan_random
+from smart_batching.planners.token_budget import TokenBudgetSpec, plan_token_budget
+
+Planner = Callable[[np.ndarray, Any, np.random.Generator], PlanParts]
+
+REGISTRY: dict[str, tuple[type[PlannerSpec], Planner]] = {}
+
+
+def register(spec_cls: type[PlannerSpec], planner: Planner) -> None:
+    """Register a strategy under ``spec_cls.name``."""
+    REGISTRY[spec_cls.name] = (spec_cls, planner)
+
+
+for _spec, _fn in (
+    (RandomSpec, plan_random),
+    (MaxLengthSpec, plan_max_length),
+    (GroupByLengthSpec, plan_group_by_length),
+    (TokenBudgetSpec, plan_token_budget),
+    (PackedSpec, plan_packed),
+):
+    register(_spec, _fn)
+
+STRATEGIES = tuple(REGISTRY)
+
+
+def make_spec(strategy: str | PlannerSpec, **options: Any) -> PlannerSpec:
+    """A spec from a registered name and keyword options (or a spec returned as is).
+
+    Raises:
+        ConfigError: unknown strategy, or an option the strategy does not take.
+    """
+    if isinstance(strategy, PlannerSpec):
+        if options:
+            raise ConfigError("pass options either in the spec or as keywords, not both")
+        return strategy
+    if strategy not in REGISTRY:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of: {', '.join(REGISTRY)}")
+    spec_cls = REGISTRY[strategy][0]
+    known = {f.name for f in fields(spec_cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"strategy {strategy!r} takes no option {', '.join(unknown)}; its options are: {', '.join(sorted(known))}"
+        )
+    return spec_cls(**options)
+
+
+def plan_batches(
+    lengths: Any,
+    spec: str | PlannerSpec,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    **options: Any,
+) -> BatchPlan:
+    """Plan one epoch of batches.
+
+    Args:
+        lengths: (num_examples,) token lengths (any integer array-like).
+        spec: a spec from :mod:`smart_batching.planners` or a registered strategy name.
+        seed: base seed; the plan is a pure function of ``(lengths, spec, seed, epoch)``.
+        epoch: epoch number; each epoch gets a different plan.
+        **options: the spec's fields when ``spec`` is a name, e.g. ``capacity=4096``.
+
+    Returns:
+        The plan; ``plan.stats()`` gives efficiency, padding and over-limit counts.
+    """
+    spec = make_spec(spec, **options)
+    lengths = as_lengths(lengths)
+    for name, value in (("seed", seed), ("epoch", epoch)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ConfigError(f"{name}= must be a non-negative integer, got {value!r}")
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+    parts = REGISTRY[spec.name][1](lengths, spec, rng)
+    segs = parts.segments
+    order = parts.order
+    whole = segs.example_ids.shape[0] == lengths.shape[0] and segs.overlong.num_over_limit == 0
+    return BatchPlan(
+        # Without an overlong policy at work segments are examples: skip two 10M-element gathers.
+        example_ids=order if whole else segs.example_ids[order],
+        seg_starts=np.zeros(order.shape[0], dtype=np.int64) if whole else segs.starts[order],
+        seg_lengths=segs.lengths[order],
+        row_offsets=parts.row_offsets,
+        batch_offsets=parts.batch_offsets,
+        batch_width=parts.batch_width,
+        strategy=spec.name,
+        spec=spec,
+        seed=int(seed),
+        epoch=int(epoch),
+        num_examples=int(lengths.shape[0]),
+        overlong=segs.overlong,
+        lengths=lengths,
+        capacity=parts.capacity,
+        lower_bound_rows=parts.lower_bound_rows,
+    )
+
+
+__all__ = [
+    "OVERLONG_POLICIES",
+    "REGISTRY",
+    "STRATEGIES",
+    "GroupByLengthSpec",
+    "MaxLengthSpec",
+    "PackedSpec",
+    "PlannerSpec",
+    "RandomSpec",
+    "TokenBudgetSpec",
+    "make_spec",
+    "plan_batches",
+    "register",
+]

@@ -1,0 +1,418 @@
+"""Compiled loops for the planners that are sequential by nature (numba, cached on disk).
+
+Each kernel runs in O(n) or O(n log C) over integer lengths already sorted by the caller.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_U64 = np.uint64
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+# _CTZ_TABLE[((x & -x) * _DEBRUIJN) >> 58] is the index of the lowest set bit of x.
+_CTZ_TABLE = np.zeros(64, dtype=np.int64)
+with np.errstate(over="ignore"):  # the multiplication wraps modulo 2**64 by design
+    for _i in range(64):
+        _CTZ_TABLE[((np.uint64(1) << np.uint64(_i)) * _DEBRUIJN) >> np.uint64(58)] = _i
+del _i
+
+
+@njit(cache=True, nogil=True)
+def token_budget_cuts(sorted_lengths, max_tokens, multiple, max_batch_size):  # pragma: no cover - compiled
+    """Greedy batch boundaries over ascending lengths so that rows × longest ≤ max_tokens.
+
+    A batch that could grow no further is cut down to a multiple of ``multiple`` rows when it holds at
+    least that many (fairseq's rule). Returns (num_batches + 1,) offsets.
+    """
+    n = sorted_lengths.shape[0]
+    offsets = np.empty(n + 1, dtype=np.int64)
+    offsets[0] = 0
+    nb = 0
+    start = 0
+    while start < n:
+        end = start + 1
+        while end < n and (end - start + 1) * sorted_lengths[end] <= max_tokens and end - start < max_batch_size:
+            end += 1
+        size = end - start
+        if end < n and size > multiple:
+            size -= size % multiple
+        start += size
+        nb += 1
+        offsets[nb] = start
+    return offsets[: nb + 1]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ctz(x, table):  # pragma: no cover - compiled
+    low = x & (~x + _U64(1))
+    return table[(low * _DEBRUIJN) >> _U64(58)]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_bit(l0, l1, v):  # pragma: no cover - compiled
+    w = v >> 6
+    l0[w] |= _U64(1) << _U64(v & 63)
+    l1[w >> 6] |= _U64(1) << _U64(w & 63)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _clear_bit(l0, l1, v):  # pragma: no cover - compiled
+    w = v >> 6
+    l0[w] &= ~(_U64(1) << _U64(v & 63))
+    if l0[w] == _U64(0):
+        l1[w >> 6] &= ~(_U64(1) << _U64(w & 63))
+
+
+@njit(cache=True, nogil=True)
+def _next_set(l0, l1, v, table):  # pragma: no cover - compiled
+    """Smallest set value ≥ v in a two-level bitmap, or -1."""
+    w = v >> 6
+    if w >= l0.shape[0]:
+        return -1
+    m = l0[w] & (~_U64(0) << _U64(v & 63))
+    if m != _U64(0):
+        return w * 64 + _ctz(m, table)
+    w += 1
+    w1 = w >> 6
+    if w1 >= l1.shape[0]:
+        return -1
+    m1 = l1[w1] & (~_U64(0) << _U64(w & 63)) if (w & 63) else l1[w1]
+    while m1 == _U64(0):
+        w1 += 1
+        if w1 >= l1.shape[0]:
+            return -1
+        m1 = l1[w1]
+    w = w1 * 64 + _ctz(m1, table)
+    return w * 64 + _ctz(l0[w], table)
+
+
+@njit(cache=True, nogil=True)
+def best_fit_decreasing(sizes, capacity, table):  # pragma: no cover - compiled
+    """Best-fit over sizes sorted in decreasing order: each item goes to the fullest row it fits.
+
+    Rows are kept in buckets by remaining capacity, with a two-level bitmap over the buckets, so
+    "the fullest row that fits" is found in O(1) word operations for capacities up to 262,143.
+
+    Returns:
+        (row_of, num_rows): (n,) row index of each item (rows numbered in opening order), row count.
+    """
+    n = sizes.shape[0]
+    row_of = np.empty(n, dtype=np.int64)
+    head = np.full(capacity + 1, -1, dtype=np.int64)  # first row in each remaining-capacity bucket
+    nxt = np.empty(n + 1, dtype=np.int64)  # next row in the same bucket
+    nw0 = (capacity + 64) // 64
+    l0 = np.zeros(nw0, dtype=np.uint64)
+    l1 = np.zeros((nw0 + 63) // 64, dtype=np.uint64)
+    num_rows = 0
+    for i in range(n):
+        s = sizes[i]
+        r = _next_set(l0, l1, s, table)
+        if r < 0:
+            row = num_rows
+            num_rows += 1
+            rem = capacity - s
+        else:
+            row = head[r]
+            head[r] = nxt[row]
+            if head[r] < 0:
+                _clear_bit(l0, l1, r)
+            rem = r - s
+        row_of[i] = row
+        nxt[row] = head[rem]
+        head[rem] = row
+        _set_bit(l0, l1, rem)
+    return row_of, num_rows
+
+
+@njit(cache=True, nogil=True)
+def first_fit_decreasing(sizes, capacity, max_rows):  # pragma: no cover - compiled
+    """First-fit over sizes sorted in decreasing order: each item goes to the first row it fits.
+
+    A max-segment-tree over ``max_rows`` row slots (unopened rows hold the full capacity) finds the
+    leftmost row with enough room in O(log rows).
+    """
+    n = sizes.shape[0]
+    size = 1
+    while size < max_rows:
+        size *= 2
+    tree = np.full(2 * size, capacity, dtype=np.int64)
+    row_of = np.empty(n, dtype=np.int64)
+    num_rows = 0
+    for i in range(n):
+        s = sizes[i]
+        node = 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= s else 2 * node + 1
+        row = node - size
+        row_of[i] = row
+        if row + 1 > num_rows:
+            num_rows = row + 1
+        tree[node] -= s
+        node //= 2
+        while node >= 1:
+            a = tree[2 * node]
+            b = tree[2 * node + 1]
+            tree[node] = a if a > b else b
+            node //= 2
+    return row_of, num_rows
+
+
+@njit(cache=True, nogil=True)
+def group_by_row(row_of, num_rows):  # pragma: no cover - compiled
+    """Counting sort of items by row: returns (order, row_offsets), items of a row in input order."""
+    n = row_of.shape[0]
+    offsets = np.zeros(num_rows + 1, dtype=np.int64)
+    for i in range(n):
+        offsets[row_of[i] + 1] += 1
+    for r in range(num_rows):
+        offsets[r + 1] += offsets[r]
+    fill = offsets[:-1].copy()
+    order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        r = row_of[i]
+        order[fill[r]] = i
+        fill[r] += 1
+    return order, offsets
+
+
+@njit(cache=True, nogil=True)
+def _shift_or(src, dst, shift, nwords):  # pragma: no cover - compiled
+    """dst |= src << shift over little-endian multiword bitsets of nwords words."""
+    q = shift >> 6
+    b = shift & 63
+    if b == 0:
+        for w in range(nwords - 1, q - 1, -1):
+            dst[w] |= src[w - q]
+    else:
+        for w in range(nwords - 1, q, -1):
+            dst[w] |= (src[w - q] << _U64(b)) | (src[w - q - 1] >> _U64(64 - b))
+        dst[q] |= src[0] << _U64(b)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bit(bits, v):  # pragma: no cover - compiled
+    return (bits[v >> 6] >> _U64(v & 63)) & _U64(1)
+
+
+@njit(cache=True, nogil=True)
+def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
+    """Row-by-row exact filling ("minimum bin slack" by subset sum) over sizes sorted decreasing.
+
+    Each row takes the longest example left, then the multiset of remaining examples that fills the rest
+    of the row most exactly. The subset sum runs on bitsets over the *distinct* sizes with their counts,
+    adding sizes from the longest down and stopping as soon as the row can be filled exactly, so a row
+    costs a few word operations per distinct size. Preferring long examples keeps the short ones for
+    the last rows, where they close the gaps. Zero-length items go to the first row.
+
+    Returns:
+        (row_of, num_rows) as :func:`best_fit_decreasing`.
+    """
+    n = sizes.shape[0]
+    row_of = np.zeros(n, dtype=np.int64)
+    # Distinct sizes, descending, with the run of items holding each: sizes[run_start[d]:run_end[d]].
+    nd = 0
+    for i in range(n):
+        if i == 0 or sizes[i] != sizes[i - 1]:
+            nd += 1
+    vals = np.empty(nd, dtype=np.int64)
+    nxt_item = np.empty(nd, dtype=np.int64)  # next unassigned item of each size
+    run_end = np.empty(nd, dtype=np.int64)
+    d = -1
+    for i in range(n):
+        if i == 0 or sizes[i] != sizes[i - 1]:
+            d += 1
+            vals[d] = sizes[i]
+            nxt_item[d] = i
+        run_end[d] = i + 1
+    nwords = (capacity + 64) // 64
+    layers = np.zeros((nd + 1, nwords), dtype=np.uint64)
+    layer_size = np.empty(nd, dtype=np.int64)  # distinct-size index of each layer
+    tmp = np.empty(nwords, dtype=np.uint64)
+    tmp2 = np.empty(nwords, dtype=np.uint64)
+    num_rows = 0
+    top = 0  # first distinct size with items left
+    left = n
+    zero_items = 0
+    if nd > 0 and vals[nd - 1] == 0:
+        zero_items = run_end[nd - 1] - nxt_item[nd - 1]
+        left -= zero_items
+        nd -= 1  # zero-length items are placed at the end
+    while left > 0:
+        while nxt_item[top] == run_end[top]:
+            top += 1
+        row = num_rows
+        num_rows += 1
+        row_of[nxt_item[top]] = row
+        nxt_item[top] += 1
+        left -= 1
+        r = capacity - vals[top]
+        # Greedy: longest example that fits, while the gap is wider than the exact-fill window.
+        dd = top
+        while r > window and left > 0:
+            while dd < nd and (vals[dd] > r or nxt_item[dd] == run_end[dd]):
+                dd += 1
+            if dd == nd:
+                break
+            row_of[nxt_item[dd]] = row
+            nxt_item[dd] += 1
+            left -= 1
+            r -= vals[dd]
+        nw = (r + 64) // 64  # words that hold bits 0..r
+        # Subset sum over the remaining sizes ≤ r, longest first, until r is reachable.
+        for w in range(nw):
+            layers[0, w] = _U64(0)
+        layers[0, 0] = _U64(1)
+        nl = 0
+        found = False
+        for dd in range(top, nd):
+            avail = run_end[dd] - nxt_item[dd]
+            v = vals[dd]
+            if avail == 0 or v > r:
+                continue
+            cur = layers[nl + 1]
+            for w in range(nw):
+                cur[w] = layers[nl, w]
+                tmp[w] = layers[nl, w]
+            copies = min(avail, r // v)
+            for _c in range(copies):  # cur |= prev << (c * v) for c = 1..copies
+                for w in range(nw):
+                    tmp2[w] = _U64(0)
+                _shift_or(tmp, tmp2, v, nw)
+                for w in range(nw):
+                    tmp[w] = tmp2[w]
+                    cur[w] |= tmp2[w]
+            layer_size[nl] = dd
+            nl += 1
+            if _bit(cur, r):
+                found = True
+                break
+        # Best reachable total ≤ r.
+        t = r
+        if not found:
+            while t > 0 and not _bit(layers[nl], t):
+                t -= 1
+        # Backtrack: fewest copies of each (shorter) size, from the last layer back.
+        for li in range(nl - 1, -1, -1):
+            if t == 0:
+                break
+            dd = layer_size[li]
+            v = vals[dd]
+            c = 0
+            while not _bit(layers[li], t - c * v):
+                c += 1
+            for _k in range(c):
+                row_of[nxt_item[dd]] = row
+                nxt_item[dd] += 1
+            left -= c
+            t -= c * v
+    if zero_items and num_rows == 0:
+        num_rows = 1
+    return row_of, num_rows
+
+
+# --- Randomness: splitmix64 with Lemire's unbiased bounded integers, and cache-friendly shuffles. ---
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_MASK32 = np.uint64(0xFFFFFFFF)
+_SMALL_RANGE = 1 << 16  # ranges up to this many items are shuffled in place (they sit in cache)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next64(state):  # pragma: no cover - compiled
+    state[0] += _GOLDEN
+    z = state[0]
+    z = (z ^ (z >> _U64(30))) * _MIX1
+    z = (z ^ (z >> _U64(27))) * _MIX2
+    return z ^ (z >> _U64(31))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _below(state, bound):  # pragma: no cover - compiled
+    """Uniform integer in [0, bound) for 0 < bound < 2**32 (Lemire's multiply-shift with rejection)."""
+    b = _U64(bound)
+    m = (_next64(state) >> _U64(32)) * b
+    low = m & _MASK32
+    if low < b:
+        t = (_U64(0x100000000) - b) % b
+        while low < t:
+            m = (_next64(state) >> _U64(32)) * b
+            low = m & _MASK32
+    return np.int64(m >> _U64(32))
+
+
+@njit(cache=True, nogil=True)
+def _shuffle_small(arr, lo, hi, state):  # pragma: no cover - compiled
+    """Fisher-Yates on arr[lo:hi] in place."""
+    for i in range(hi - 1, lo, -1):
+        j = lo + _below(state, i - lo + 1)
+        t = arr[i]
+        arr[i] = arr[j]
+        arr[j] = t
+
+
+@njit(cache=True, nogil=True)
+def _shuffle_range(arr, lo, hi, state):  # pragma: no cover - compiled
+    """Uniformly shuffle arr[lo:hi] in place.
+
+    Large ranges are first scattered into random buckets of about 8k items and then each bucket is
+    shuffled in place: every item lands in a uniform bucket, and every bucket gets a uniform order, so
+    the result is a uniform permutation, with memory traffic that streams instead of missing the cache
+    at every swap.
+    """
+    m = hi - lo
+    if m <= _SMALL_RANGE:
+        _shuffle_small(arr, lo, hi, state)
+        return
+    nb = m >> 13
+    bucket = np.empty(m, dtype=np.int32)
+    starts = np.zeros(nb + 1, dtype=np.int64)
+    for i in range(m):
+        b = _below(state, nb)
+        bucket[i] = b
+        starts[b + 1] += 1
+    for b in range(nb):
+        starts[b + 1] += starts[b]
+    fill = starts[:-1].copy()
+    out = np.empty(m, dtype=arr.dtype)
+    for i in range(m):
+        b = bucket[i]
+        out[fill[b]] = arr[lo + i]
+        fill[b] += 1
+    for b in range(nb):
+        _shuffle_small(out, starts[b], starts[b + 1], state)
+    arr[lo:hi] = out
+
+
+@njit(cache=True, nogil=True)
+def shuffled_permutation(n, seed):  # pragma: no cover - compiled
+    """A uniformly random permutation of 0..n-1, seeded."""
+    state = np.array([seed], dtype=np.uint64)
+    out = np.arange(n)
+    _shuffle_range(out, 0, n, state)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def counting_sort_shuffled(keys, max_key, seed):  # pragma: no cover - compiled
+    """Positions sorted by integer key (ascending); ties in uniformly random order, or in position order
+    when seed < 0. O(n + max_key)."""
+    n = keys.shape[0]
+    starts = np.zeros(max_key + 2, dtype=np.int64)
+    for i in range(n):
+        starts[keys[i] + 1] += 1
+    for k in range(max_key + 1):
+        starts[k + 1] += starts[k]
+    fill = starts[:-1].copy()
+    order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        k = keys[i]
+        order[fill[k]] = i
+        fill[k] += 1
+    if seed >= 0:
+        state = np.array([seed], dtype=np.uint64)
+        for k in range(max_key + 1):
+            if starts[k + 1] - starts[k] > 1:
+                _shuffle_range(order, starts[k], starts[k + 1], state)
+    return order

@@ -1,0 +1,58 @@
+"""``max_length``: "Longest Sequence" padding: shuffled fixed-size batches, every row padded to one length.
+
+The other common baseline (``padding="max_length"`` in a tokenizer call). The padded width is
+``max_length`` when given, else the longest example of the dataset. O(n).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from smart_batching.planners._common import (
+    PlannerSpec,
+    PlanParts,
+    apply_overlong,
+    drop_tail,
+    fixed_offsets,
+    padded_parts,
+    permutation,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaxLengthSpec(PlannerSpec):
+    """Shuffled fixed-size batches, every row padded to the same length.
+
+    Attributes:
+        batch_size: examples per batch.
+        max_length: padded length in tokens; None means the longest example of the dataset.
+        drop_last: leave out the last incomplete batch (its examples are counted as dropped).
+        overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``max_length``.
+    """
+
+    name: ClassVar[str] = "max_length"
+    batch_size: int = 8
+    max_length: int | None = None
+    drop_last: bool = False
+    overlong: str = "error"
+
+    def __post_init__(self) -> None:
+        self._check_positive("batch_size", self.batch_size)
+        self._check_positive("max_length", self.max_length, allow_none=True)
+        self._check_overlong(self.overlong)
+
+
+def plan_max_length(lengths: np.ndarray, spec: MaxLengthSpec, rng: np.random.Generator) -> PlanParts:
+    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
+    order = permutation(segments.lengths.shape[0], rng)
+    offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
+    if spec.drop_last:
+        segments = drop_tail(segments, order, offsets)
+    if spec.max_length is not None:
+        width = spec.max_length
+    else:
+        width = int(segments.lengths.max()) if segments.lengths.size else 0
+    return padded_parts(segments, order, offsets, fixed_width=width)

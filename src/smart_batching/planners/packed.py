@@ -1,0 +1,113 @@
+"""``packed``: several examples per fixed-capacity row (sample packing), near the fewest rows possible.
+
+Sort by length, descending (ties at random, radix sort), then best-fit-decreasing: each example goes to
+the fullest row it still fits, found through buckets of rows keyed by remaining capacity and a two-level
+bitmap over the buckets: O(n) plus O(1) word operations per example. First-fit-decreasing is available
+for comparison (a segment tree over rows, O(n log rows)). Rows are shuffled and grouped
+``rows_per_batch`` to a batch. 10M examples at capacity 4096: about 0.6 s here after compile warm-up
+(TRL's BFD: 143 s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from smart_batching.errors import ConfigError
+from smart_batching.plan import packing_lower_bound
+from smart_batching.planners._common import (
+    PlannerSpec,
+    PlanParts,
+    apply_overlong,
+    fixed_offsets,
+    permutation,
+    sort_by_length,
+)
+from smart_batching.planners._kernels import (
+    _CTZ_TABLE,
+    best_fit_decreasing,
+    fill_rows,
+    first_fit_decreasing,
+    group_by_row,
+)
+
+ALGORITHMS = ("auto", "bfd", "fill", "ffd")
+MAX_CAPACITY = 262_143
+FILL_WINDOW = 512  # gap (tokens) below which `fill` solves the row exactly  # the two-level bitmap of best_fit_decreasing
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedSpec(PlannerSpec):
+    """Rows of ``capacity`` tokens, each filled with several whole examples.
+
+    Attributes:
+        capacity: tokens per row.
+        rows_per_batch: rows per batch (a padding-free collator flattens them into one sequence).
+        algorithm: ``"bfd"`` (best-fit-decreasing), ``"fill"`` (row-by-row exact filling by subset sum),
+            ``"ffd"`` (first-fit-decreasing), or ``"auto"``: BFD, and where it leaves more rows than the
+            lower bound, also ``fill``, keeping the fewer rows.
+        overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``capacity``.
+        shuffle: shuffle rows (True) or keep them in packing order (longest first).
+    """
+
+    name: ClassVar[str] = "packed"
+    capacity: int = 4096
+    rows_per_batch: int = 1
+    algorithm: str = "auto"
+    overlong: str = "error"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_positive("capacity", self.capacity)
+        self._check_positive("rows_per_batch", self.rows_per_batch)
+        self._check_overlong(self.overlong)
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"PackedSpec: algorithm= must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}")
+        if self.capacity > MAX_CAPACITY:
+            raise ConfigError(f"PackedSpec: capacity= must be at most {MAX_CAPACITY}; got {self.capacity}")
+
+
+def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.ndarray, int]:
+    """Assign sizes (sorted in decreasing order) to rows.
+
+    Returns:
+        ``(row_of, num_rows)``: (n,) row of each size, rows numbered from 0.
+    """
+    if sizes.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    if algorithm in ("auto", "bfd"):
+        row_of, num_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
+        if algorithm == "auto" and num_rows > packing_lower_bound(sizes, capacity):
+            alt_rows, alt_num = fill_rows(sizes, capacity, FILL_WINDOW)
+            if alt_num < num_rows:
+                row_of, num_rows = alt_rows, alt_num
+    elif algorithm == "fill":
+        row_of, num_rows = fill_rows(sizes, capacity, FILL_WINDOW)
+    else:
+        # Any-fit packing leaves at most one row half empty or worse, so rows ≤ 2 * ceil(total / capacity) + 1.
+        max_rows = min(sizes.shape[0], 2 * (-(-int(sizes.sum()) // capacity)) + 1)
+        row_of, num_rows = first_fit_decreasing(sizes, capacity, max(max_rows, 1))
+    return row_of, int(num_rows)
+
+
+def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator) -> PlanParts:
+    segments = apply_overlong(lengths, spec.capacity, spec.overlong, "capacity")
+    seg_len = segments.lengths
+    by_size = sort_by_length(seg_len, rng, descending=True)  # (num_segments,)
+    row_of, num_rows = pack(seg_len[by_size], spec.capacity, spec.algorithm)
+    if spec.shuffle and num_rows > 1:
+        row_of = permutation(num_rows, rng)[row_of]  # relabel rows at random: the counting sort shuffles them
+    in_rows, row_offsets = group_by_row(row_of, num_rows)
+    batch_offsets = fixed_offsets(num_rows, spec.rows_per_batch, drop_last=False)
+    width = np.full(len(batch_offsets) - 1, spec.capacity, dtype=np.int64)
+    return PlanParts(
+        segments,
+        by_size[in_rows],
+        row_offsets,
+        batch_offsets,
+        width,
+        capacity=spec.capacity,
+        lower_bound_rows=packing_lower_bound(seg_len, spec.capacity),
+    )

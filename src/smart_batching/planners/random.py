@@ -1,0 +1,54 @@
+"""``random``: shuffle, fixed batch size, pad each batch to its longest example.
+
+The common baseline (a shuffled DataLoader with dynamic padding). One permutation: O(n); 10M
+examples plan in about 0.2 s here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from smart_batching.planners._common import (
+    PlannerSpec,
+    PlanParts,
+    apply_overlong,
+    drop_tail,
+    fixed_offsets,
+    padded_parts,
+    permutation,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomSpec(PlannerSpec):
+    """Shuffled fixed-size batches, padded to the longest example of each batch.
+
+    Attributes:
+        batch_size: examples per batch.
+        drop_last: leave out the last incomplete batch (its examples are counted as dropped).
+        max_length: most tokens per example; None means no limit. Longer ones follow ``overlong``.
+        overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``max_length``.
+    """
+
+    name: ClassVar[str] = "random"
+    batch_size: int = 8
+    drop_last: bool = False
+    max_length: int | None = None
+    overlong: str = "error"
+
+    def __post_init__(self) -> None:
+        self._check_positive("batch_size", self.batch_size)
+        self._check_positive("max_length", self.max_length, allow_none=True)
+        self._check_overlong(self.overlong)
+
+
+def plan_random(lengths: np.ndarray, spec: RandomSpec, rng: np.random.Generator) -> PlanParts:
+    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
+    order = permutation(segments.lengths.shape[0], rng)  # (num_segments,)
+    offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
+    if spec.drop_last:
+        segments = drop_tail(segments, order, offsets)
+    return padded_parts(segments, order, offsets)

@@ -1,0 +1,69 @@
+"""``token_budget``: variable batch size so that padded tokens (rows × longest) stay under a budget.
+
+Sort by length (ties at random, radix sort: O(n)), cut greedily into the largest batches whose padded
+size fits ``max_tokens`` (fairseq's ``batch_by_size`` rule, with an optional batch-size multiple), then
+shuffle the batches. The cut is a compiled O(n) loop. 10M examples: about 0.5 s here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from smart_batching.errors import ConfigError
+from smart_batching.planners._common import (
+    PlannerSpec,
+    PlanParts,
+    apply_overlong,
+    padded_parts,
+    permutation,
+    permute_batches,
+    sort_by_length,
+)
+from smart_batching.planners._kernels import token_budget_cuts
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenBudgetSpec(PlannerSpec):
+    """Batches of as many examples as fit ``max_tokens`` padded tokens.
+
+    Attributes:
+        max_tokens: most padded tokens (rows × longest example) per batch.
+        batch_size_multiple: batch sizes are cut to a multiple of this (e.g. 8 for tensor cores) where
+            the batch holds at least that many examples.
+        max_batch_size: most examples per batch; None means no limit.
+        max_length: most tokens per example; None means ``max_tokens``. Longer ones follow ``overlong``.
+        overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over the limit.
+    """
+
+    name: ClassVar[str] = "token_budget"
+    max_tokens: int = 4096
+    batch_size_multiple: int = 1
+    max_batch_size: int | None = None
+    max_length: int | None = None
+    overlong: str = "error"
+
+    def __post_init__(self) -> None:
+        self._check_positive("max_tokens", self.max_tokens)
+        self._check_positive("batch_size_multiple", self.batch_size_multiple)
+        self._check_positive("max_batch_size", self.max_batch_size, allow_none=True)
+        self._check_positive("max_length", self.max_length, allow_none=True)
+        self._check_overlong(self.overlong)
+        if self.max_length is not None and self.max_length > self.max_tokens:
+            raise ConfigError(
+                f"TokenBudgetSpec: max_length={self.max_length} exceeds max_tokens={self.max_tokens}; "
+                "lower max_length= or raise max_tokens="
+            )
+
+
+def plan_token_budget(lengths: np.ndarray, spec: TokenBudgetSpec, rng: np.random.Generator) -> PlanParts:
+    limit = spec.max_length if spec.max_length is not None else spec.max_tokens
+    setting = "max_length" if spec.max_length is not None else "max_tokens"
+    segments = apply_overlong(lengths, limit, spec.overlong, setting)
+    order = sort_by_length(segments.lengths, rng)  # (num_segments,) ascending
+    max_bs = spec.max_batch_size if spec.max_batch_size is not None else np.iinfo(np.int64).max
+    offsets = token_budget_cuts(segments.lengths[order], spec.max_tokens, spec.batch_size_multiple, max_bs)
+    order, offsets = permute_batches(order, offsets, permutation(len(offsets) - 1, rng))
+    return padded_parts(segments, order, offsets)
