@@ -299,7 +299,12 @@ length_arrays = st.one_of(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=length_arrays, key=st.sampled_from(list(CONFIGS)), seed=st.integers(0, 2**31), epoch=st.integers(0, 5))
+@given(
+    lengths=length_arrays,
+    key=st.sampled_from(list(CONFIGS)),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 5),
+)
 def test_property_contract(lengths, key, seed, epoch) -> None:
     lengths = np.asarray(lengths, dtype=np.int64)
     options = dict(CONFIGS[key])
@@ -314,7 +319,9 @@ def test_property_contract(lengths, key, seed, epoch) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 256), min_size=1, max_size=200), capacity=st.sampled_from([256, 300, 512]))
+@given(
+    lengths=st.lists(st.integers(1, 256), min_size=1, max_size=200), capacity=st.sampled_from([256, 300, 512])
+)
 def test_property_packing_quality(lengths, capacity) -> None:
     lengths = np.asarray(lengths, dtype=np.int64)
     plan = sb.plan_batches(lengths, "packed", capacity=capacity)

@@ -78,7 +78,7 @@ def packing_lower_bound(lengths: np.ndarray, capacity: int) -> int:
         return 0
     total = int(lengths.sum())
     by_volume = -(-total // capacity)
-    big = int(np.count_nonzero(lengths * 2 > capacity))
+    big = int(np.count_nonzero(lengths > capacity // 2))  # 2 * length > capacity, without a temporary
     return max(by_volume, big)
 
 
@@ -259,7 +259,9 @@ class BatchPlan:
     def fingerprint(self) -> str:
         """Digest of what produced the plan: lengths, strategy, spec and seed (not the epoch)."""
         h = hashlib.blake2b(digest_size=8)
-        h.update(f"{PLAN_FORMAT_VERSION}|{self.lengths_fingerprint}|{self.strategy}|{self.spec!r}|{self.seed}".encode())
+        h.update(
+            f"{PLAN_FORMAT_VERSION}|{self.lengths_fingerprint}|{self.strategy}|{self.spec!r}|{self.seed}".encode()
+        )
         return h.hexdigest()
 
     def stats(self) -> PlanStats:

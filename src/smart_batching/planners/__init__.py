@@ -109,7 +109,7 @@ def plan_batches(
         # Without an overlong policy at work segments are examples: skip two 10M-element gathers.
         example_ids=order if whole else segs.example_ids[order],
         seg_starts=np.zeros(order.shape[0], dtype=np.int64) if whole else segs.starts[order],
-        seg_lengths=segs.lengths[order],
+        seg_lengths=segs.lengths[order] if parts.ordered_lengths is None else parts.ordered_lengths,
         row_offsets=parts.row_offsets,
         batch_offsets=parts.batch_offsets,
         batch_width=parts.batch_width,

@@ -27,7 +27,9 @@ class PlannerSpec:
         if value is None and allow_none:
             return
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ConfigError(f"{type(self).__name__}: {field_name}= must be a positive integer, got {value!r}")
+            raise ConfigError(
+                f"{type(self).__name__}: {field_name}= must be a positive integer, got {value!r}"
+            )
 
     def _check_overlong(self, value: str) -> None:
         if value not in OVERLONG_POLICIES:
@@ -55,6 +57,7 @@ class PlanParts(NamedTuple):
     batch_width: np.ndarray  # (num_batches,)
     capacity: int | None = None
     lower_bound_rows: int | None = None
+    ordered_lengths: np.ndarray | None = None  # segments.lengths[order], when the planner has it already
 
 
 def apply_overlong(lengths: np.ndarray, limit: int | None, policy: str, setting: str) -> Segments:
@@ -88,10 +91,14 @@ def apply_overlong(lengths: np.ndarray, limit: int | None, policy: str, setting:
         return Segments(ids, np.zeros(n, dtype=np.int64), seg_len, counts)
     if policy == "drop":
         keep = ~over
-        counts = OverlongCounts(limit, policy, num_over, num_dropped=num_over, dropped_tokens=int(lengths[over].sum()))
+        counts = OverlongCounts(
+            limit, policy, num_over, num_dropped=num_over, dropped_tokens=int(lengths[over].sum())
+        )
         return Segments(ids[keep], np.zeros(n - num_over, dtype=np.int64), lengths[keep], counts)
     if policy == "split":
-        pieces = np.maximum(1, -(-lengths // limit))  # (n,) pieces per example; a 0-length example stays whole
+        pieces = np.maximum(
+            1, -(-lengths // limit)
+        )  # (n,) pieces per example; a 0-length example stays whole
         seg_ids = np.repeat(ids, pieces)
         first_of = np.concatenate([[0], np.cumsum(pieces)[:-1]])
         piece_no = np.arange(seg_ids.shape[0], dtype=np.int64) - np.repeat(first_of, pieces)
@@ -124,7 +131,9 @@ def permutation(n: int, rng: np.random.Generator) -> np.ndarray:
 _COUNTING_MAX_KEY = 1 << 22
 
 
-def sort_by_length(lengths: np.ndarray, rng: np.random.Generator | None, *, descending: bool = False) -> np.ndarray:
+def sort_by_length(
+    lengths: np.ndarray, rng: np.random.Generator | None, *, descending: bool = False
+) -> np.ndarray:
     """Order of positions sorted by length, ties broken at random (or by position when rng is None).
 
     Returns:
@@ -195,7 +204,9 @@ def drop_tail(segments: Segments, order: np.ndarray, batch_offsets: np.ndarray) 
     return segments._replace(overlong=counts)
 
 
-def permute_batches(order: np.ndarray, offsets: np.ndarray, perm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def permute_batches(
+    order: np.ndarray, offsets: np.ndarray, perm: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Reorder whole batches (chunks ``offsets`` of ``order``) by ``perm``, vectorised.
 
     Returns:

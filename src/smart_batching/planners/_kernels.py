@@ -32,7 +32,9 @@ def token_budget_cuts(sorted_lengths, max_tokens, multiple, max_batch_size):  # 
     start = 0
     while start < n:
         end = start + 1
-        while end < n and (end - start + 1) * sorted_lengths[end] <= max_tokens and end - start < max_batch_size:
+        while (
+            end < n and (end - start + 1) * sorted_lengths[end] <= max_tokens and end - start < max_batch_size
+        ):
             end += 1
         size = end - start
         if end < n and size > multiple:
@@ -159,8 +161,13 @@ def first_fit_decreasing(sizes, capacity, max_rows):  # pragma: no cover - compi
 
 
 @njit(cache=True, nogil=True)
-def group_by_row(row_of, num_rows):  # pragma: no cover - compiled
-    """Counting sort of items by row: returns (order, row_offsets), items of a row in input order."""
+def group_by_row(row_of, num_rows, ids, sizes):  # pragma: no cover - compiled
+    """Counting sort of items by row, items of a row in input order.
+
+    Returns:
+        ``(ids_by_row, sizes_by_row, row_offsets)``: ``ids`` and ``sizes`` regrouped by row, and
+        (num_rows + 1,) offsets.
+    """
     n = row_of.shape[0]
     offsets = np.zeros(num_rows + 1, dtype=np.int64)
     for i in range(n):
@@ -168,12 +175,14 @@ def group_by_row(row_of, num_rows):  # pragma: no cover - compiled
     for r in range(num_rows):
         offsets[r + 1] += offsets[r]
     fill = offsets[:-1].copy()
-    order = np.empty(n, dtype=np.int64)
+    out_ids = np.empty(n, dtype=np.int64)
+    out_sizes = np.empty(n, dtype=np.int64)
     for i in range(n):
         r = row_of[i]
-        order[fill[r]] = i
+        out_ids[fill[r]] = ids[i]
+        out_sizes[fill[r]] = sizes[i]
         fill[r] += 1
-    return order, offsets
+    return out_ids, out_sizes, offsets
 
 
 @njit(cache=True, nogil=True)
@@ -226,10 +235,13 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
             nxt_item[d] = i
         run_end[d] = i + 1
     nwords = (capacity + 64) // 64
-    layers = np.zeros((nd + 1, nwords), dtype=np.uint64)
-    layer_size = np.empty(nd, dtype=np.int64)  # distinct-size index of each layer
-    tmp = np.empty(nwords, dtype=np.uint64)
-    tmp2 = np.empty(nwords, dtype=np.uint64)
+    log_cap = 1
+    while (1 << log_cap) <= capacity:
+        log_cap += 1
+    max_layers = nd * log_cap + 1  # binary splitting gives each size at most log2(capacity) + 1 layers
+    layers = np.zeros((max_layers, nwords), dtype=np.uint64)
+    layer_size = np.empty(max_layers, dtype=np.int64)  # distinct-size index of each layer
+    layer_copies = np.empty(max_layers, dtype=np.int64)  # copies of that size the layer adds
     num_rows = 0
     top = 0  # first distinct size with items left
     left = n
@@ -259,7 +271,8 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
             left -= 1
             r -= vals[dd]
         nw = (r + 64) // 64  # words that hold bits 0..r
-        # Subset sum over the remaining sizes ≤ r, longest first, until r is reachable.
+        # Subset sum over the remaining sizes ≤ r, longest first, until r is reachable. A size with k
+        # copies enters as 0/1 layers of 1, 2, 4, ... copies (binary splitting): O(log k) shifts.
         for w in range(nw):
             layers[0, w] = _U64(0)
         layers[0, 0] = _U64(1)
@@ -270,42 +283,44 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
             v = vals[dd]
             if avail == 0 or v > r:
                 continue
-            cur = layers[nl + 1]
-            for w in range(nw):
-                cur[w] = layers[nl, w]
-                tmp[w] = layers[nl, w]
-            copies = min(avail, r // v)
-            for _c in range(copies):  # cur |= prev << (c * v) for c = 1..copies
+            k = min(avail, r // v)
+            piece = 1
+            while k > 0 and not found:
+                p = piece if piece < k else k
+                k -= p
+                piece *= 2
+                if nl + 1 >= layers.shape[0]:
+                    break
+                cur = layers[nl + 1]
                 for w in range(nw):
-                    tmp2[w] = _U64(0)
-                _shift_or(tmp, tmp2, v, nw)
-                for w in range(nw):
-                    tmp[w] = tmp2[w]
-                    cur[w] |= tmp2[w]
-            layer_size[nl] = dd
-            nl += 1
-            if _bit(cur, r):
-                found = True
+                    cur[w] = layers[nl, w]
+                _shift_or(layers[nl], cur, p * v, nw)
+                layer_size[nl] = dd
+                layer_copies[nl] = p
+                nl += 1
+                if _bit(cur, r):
+                    found = True
+            if found:
                 break
         # Best reachable total ≤ r.
         t = r
         if not found:
             while t > 0 and not _bit(layers[nl], t):
                 t -= 1
-        # Backtrack: fewest copies of each (shorter) size, from the last layer back.
+        # Backtrack from the last layer: take a layer only when the total is not reachable without it,
+        # so the shorter sizes (added last) are used as little as possible.
         for li in range(nl - 1, -1, -1):
             if t == 0:
                 break
+            if _bit(layers[li], t):
+                continue
             dd = layer_size[li]
-            v = vals[dd]
-            c = 0
-            while not _bit(layers[li], t - c * v):
-                c += 1
+            c = layer_copies[li]
             for _k in range(c):
                 row_of[nxt_item[dd]] = row
                 nxt_item[dd] += 1
             left -= c
-            t -= c * v
+            t -= c * vals[dd]
     if zero_items and num_rows == 0:
         num_rows = 1
     return row_of, num_rows
@@ -416,3 +431,35 @@ def counting_sort_shuffled(keys, max_key, seed):  # pragma: no cover - compiled
             if starts[k + 1] - starts[k] > 1:
                 _shuffle_range(order, starts[k], starts[k + 1], state)
     return order
+
+
+@njit(cache=True, nogil=True)
+def sort_blocks_descending(values, block, max_value):  # pragma: no cover - compiled
+    """Within each consecutive block of ``block`` items, positions sorted by value, descending and
+    stable (a counting sort per block: O(n + num_blocks * max_value))."""
+    n = values.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    counts = np.zeros(max_value + 2, dtype=np.int64)
+    for lo in range(0, n, block):
+        hi = min(lo + block, n)
+        if hi - lo < 64:  # tiny block: insertion sort beats clearing the counts
+            for i in range(lo, hi):
+                out[i] = i
+            for i in range(lo + 1, hi):
+                x = out[i]
+                j = i - 1
+                while j >= lo and values[out[j]] < values[x]:
+                    out[j + 1] = out[j]
+                    j -= 1
+                out[j + 1] = x
+            continue
+        counts[:] = 0
+        for i in range(lo, hi):
+            counts[max_value - values[i] + 1] += 1
+        for k in range(max_value + 1):
+            counts[k + 1] += counts[k]
+        for i in range(lo, hi):
+            k = max_value - values[i]
+            out[lo + counts[k]] = i
+            counts[k] += 1
+    return out

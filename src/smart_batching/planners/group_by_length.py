@@ -34,6 +34,7 @@ from smart_batching.planners._common import (
     permute_batches,
     sort_by_length,
 )
+from smart_batching.planners._kernels import sort_blocks_descending
 
 MODES = ("megabatch", "sorted")
 
@@ -65,10 +66,14 @@ class GroupByLengthSpec(PlannerSpec):
         self._check_positive("max_length", self.max_length, allow_none=True)
         self._check_overlong(self.overlong)
         if self.mode not in MODES:
-            raise ConfigError(f"GroupByLengthSpec: mode= must be one of {', '.join(MODES)}; got {self.mode!r}")
+            raise ConfigError(
+                f"GroupByLengthSpec: mode= must be one of {', '.join(MODES)}; got {self.mode!r}"
+            )
 
 
-def megabatch_order(lengths: np.ndarray, batch_size: int, mult: int | None, rng: np.random.Generator) -> np.ndarray:
+def megabatch_order(
+    lengths: np.ndarray, batch_size: int, mult: int | None, rng: np.random.Generator
+) -> np.ndarray:
     """HF ``get_length_grouped_indices`` on numpy randomness, vectorised. Returns (n,) positions."""
     n = lengths.shape[0]
     if n == 0:
@@ -78,16 +83,19 @@ def megabatch_order(lengths: np.ndarray, batch_size: int, mult: int | None, rng:
     mega = mult * batch_size
     perm = permutation(n, rng)  # (n,)
     top = int(lengths.max())
-    keys = (top - lengths[perm]).astype(_radix_dtype(top), copy=False)  # descending as ascending keys
-    order = np.empty(n, dtype=np.int64)
-    num_full = n // mega
-    cut = num_full * mega
-    if num_full:
-        blocks = np.argsort(keys[:cut].reshape(num_full, mega), axis=1, kind="stable")  # (num_full, mega)
-        blocks += (np.arange(num_full, dtype=np.int64) * mega)[:, None]
-        order[:cut] = perm[blocks.ravel()]
-    if cut < n:
-        order[cut:] = perm[cut + np.argsort(keys[cut:], kind="stable")]
+    if top * (n // mega + 1) <= 8 * n + (1 << 20):
+        order = perm[sort_blocks_descending(lengths[perm], mega, top)]
+    else:  # very long lengths relative to the megabatch: numpy's sort per block
+        keys = (top - lengths[perm]).astype(_radix_dtype(top), copy=False)
+        order = np.empty(n, dtype=np.int64)
+        num_full = n // mega
+        cut = num_full * mega
+        if num_full:
+            blocks = np.argsort(keys[:cut].reshape(num_full, mega), axis=1, kind="stable")  # (num_full, mega)
+            blocks += (np.arange(num_full, dtype=np.int64) * mega)[:, None]
+            order[:cut] = perm[blocks.ravel()]
+        if cut < n:
+            order[cut:] = perm[cut + np.argsort(keys[cut:], kind="stable")]
     # Swap the first element of the megabatch holding the global maximum into position 0.
     starts = np.arange(0, n, mega)
     best = int(np.argmax(lengths[order[starts]]))

@@ -35,7 +35,8 @@ from smart_batching.planners._kernels import (
 
 ALGORITHMS = ("auto", "bfd", "fill", "ffd")
 MAX_CAPACITY = 262_143
-FILL_WINDOW = 512  # gap (tokens) below which `fill` solves the row exactly  # the two-level bitmap of best_fit_decreasing
+FILL_WINDOW = 512  # gap (tokens) below which `fill` solves the row exactly
+AUTO_BOTH_MAX = 1_000_000  # up to this many examples, `auto` tries both algorithms when one misses the bound  # the two-level bitmap of best_fit_decreasing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +47,9 @@ class PackedSpec(PlannerSpec):
         capacity: tokens per row.
         rows_per_batch: rows per batch (a padding-free collator flattens them into one sequence).
         algorithm: ``"bfd"`` (best-fit-decreasing), ``"fill"`` (row-by-row exact filling by subset sum),
-            ``"ffd"`` (first-fit-decreasing), or ``"auto"``: BFD, and where it leaves more rows than the
-            lower bound, also ``fill``, keeping the fewer rows.
+            ``"ffd"`` (first-fit-decreasing), or ``"auto"``: ``bfd`` where examples over half the capacity
+            set the lower bound, else ``fill``; up to 1M examples, the other one too when the first
+            misses the bound, keeping the fewer rows.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``capacity``.
         shuffle: shuffle rows (True) or keep them in packing order (longest first).
     """
@@ -64,7 +66,9 @@ class PackedSpec(PlannerSpec):
         self._check_positive("rows_per_batch", self.rows_per_batch)
         self._check_overlong(self.overlong)
         if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"PackedSpec: algorithm= must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}")
+            raise ConfigError(
+                f"PackedSpec: algorithm= must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}"
+            )
         if self.capacity > MAX_CAPACITY:
             raise ConfigError(f"PackedSpec: capacity= must be at most {MAX_CAPACITY}; got {self.capacity}")
 
@@ -77,12 +81,19 @@ def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.
     """
     if sizes.shape[0] == 0:
         return np.zeros(0, dtype=np.int64), 0
-    if algorithm in ("auto", "bfd"):
-        row_of, num_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
-        if algorithm == "auto" and num_rows > packing_lower_bound(sizes, capacity):
-            alt_rows, alt_num = fill_rows(sizes, capacity, FILL_WINDOW)
+    if algorithm == "auto":
+        # Where examples over half the capacity set the bound, each needs a row of its own and BFD
+        # fills their gaps best; where volume sets it, rows must be filled exactly.
+        lower = packing_lower_bound(sizes, capacity)
+        big_bound = int(np.count_nonzero(sizes * 2 > capacity)) >= lower
+        first, second = ("bfd", "fill") if big_bound else ("fill", "bfd")
+        row_of, num_rows = pack(sizes, capacity, first)
+        if num_rows > lower and sizes.shape[0] <= AUTO_BOTH_MAX:
+            alt_rows, alt_num = pack(sizes, capacity, second)
             if alt_num < num_rows:
                 row_of, num_rows = alt_rows, alt_num
+    elif algorithm == "bfd":
+        row_of, num_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
     elif algorithm == "fill":
         row_of, num_rows = fill_rows(sizes, capacity, FILL_WINDOW)
     else:
@@ -96,18 +107,20 @@ def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator)
     segments = apply_overlong(lengths, spec.capacity, spec.overlong, "capacity")
     seg_len = segments.lengths
     by_size = sort_by_length(seg_len, rng, descending=True)  # (num_segments,)
-    row_of, num_rows = pack(seg_len[by_size], spec.capacity, spec.algorithm)
+    sizes = seg_len[by_size]  # (num_segments,) decreasing
+    row_of, num_rows = pack(sizes, spec.capacity, spec.algorithm)
     if spec.shuffle and num_rows > 1:
         row_of = permutation(num_rows, rng)[row_of]  # relabel rows at random: the counting sort shuffles them
-    in_rows, row_offsets = group_by_row(row_of, num_rows)
+    order, ordered_lengths, row_offsets = group_by_row(row_of, num_rows, by_size, sizes)
     batch_offsets = fixed_offsets(num_rows, spec.rows_per_batch, drop_last=False)
     width = np.full(len(batch_offsets) - 1, spec.capacity, dtype=np.int64)
     return PlanParts(
         segments,
-        by_size[in_rows],
+        order,
         row_offsets,
         batch_offsets,
         width,
         capacity=spec.capacity,
         lower_bound_rows=packing_lower_bound(seg_len, spec.capacity),
+        ordered_lengths=ordered_lengths,
     )
