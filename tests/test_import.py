@@ -1,0 +1,25 @@
+"""`import smart_batching` stays light: no transformers, datasets, matplotlib (or torch) at import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ("transformers", "datasets", "matplotlib", "torch", "accelerate", "trl")
+
+
+def test_top_level_import_is_light() -> None:
+    code = (
+        "import sys, smart_batching, smart_batching.planners, smart_batching.plan, smart_batching.distributed;"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_public_surface() -> None:
+    import smart_batching as sb
+
+    for name in ("plan_batches", "BatchPlan", "PlanStats", "PackedSpec", "TokenBudgetSpec", "STRATEGIES"):
+        assert hasattr(sb, name), name
+    assert set(sb.STRATEGIES) == {"random", "max_length", "group_by_length", "token_budget", "packed"}
