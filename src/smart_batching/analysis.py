@@ -1,0 +1,331 @@
+"""Compare batching strategies on one dataset: padding, compute and what happened to long examples.
+
+:func:`analyze` plans one epoch per strategy on the same token lengths with shared settings and
+returns one record (a plain dict, JSON-ready) per strategy; :func:`format_table` renders records as
+a text table. Measuring and rendering are separate: the CLI prints the table or the JSON records,
+:mod:`smart_batching.plotting` draws them.
+
+Shared settings, so the rows compare like with like:
+
+* ``batch_size`` examples per batch for the fixed-size strategies (``random``, ``max_length``,
+  ``group_by_length``);
+* ``max_tokens`` padded tokens per batch for ``token_budget``; by default ``batch_size`` times the
+  95th-percentile length, rounded up to a multiple of 64, so a token-budget batch costs about what a
+  typical fixed-size batch does;
+* ``capacity`` tokens per packed row for ``packed`` (one row per batch); by default ``max_tokens``;
+* one per-example limit, ``min(max_tokens, capacity)`` tokens, for every strategy, with the same
+  ``overlong`` policy. Examples over it are truncated, split or dropped, never silently: every
+  record carries ``num_over_limit``, ``num_truncated``, ``num_split`` and ``num_dropped``.
+
+Row names are registered strategy names, optionally with a variant in brackets:
+``group_by_length[sorted]`` (``mode="sorted"``), ``packed[ffd]`` (``algorithm="ffd"``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from smart_batching.errors import ConfigError, DataError, OverlongError
+from smart_batching.plan import as_lengths
+from smart_batching.planners import OVERLONG_POLICIES, REGISTRY, make_spec, plan_batches
+
+DEFAULT_STRATEGIES = (
+    "random",
+    "max_length",
+    "group_by_length",
+    "group_by_length[sorted]",
+    "token_budget",
+    "packed",
+)
+
+# strategy -> the spec field a bracketed variant sets, e.g. group_by_length[sorted] -> mode="sorted"
+VARIANT_FIELDS = {"group_by_length": "mode", "packed": "algorithm"}
+
+TOKEN_ROUNDING = 64  # default max_tokens is rounded up to a multiple of this (a GPU-friendly size)
+
+
+def length_summary(lengths: Any) -> dict[str, Any]:
+    """Distribution of token lengths.
+
+    Returns:
+        ``n`` (examples), ``total`` (tokens), ``mean``, ``min``, ``p50``, ``p90``, ``p95``, ``p99``,
+        ``max`` (tokens per example). Percentiles are floats; an empty input gives zeros.
+    """
+    arr = as_lengths(lengths)
+    if arr.size == 0:
+        return {
+            "n": 0,
+            "total": 0,
+            "mean": 0.0,
+            "min": 0,
+            "p50": 0.0,
+            "p90": 0.0,
+            "p95": 0.0,
+            "p99": 0.0,
+            "max": 0,
+        }
+    p50, p90, p95, p99 = np.percentile(arr, [50, 90, 95, 99])
+    return {
+        "n": int(arr.size),
+        "total": int(arr.sum()),
+        "mean": float(arr.mean()),
+        "min": int(arr.min()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p95": float(p95),
+        "p99": float(p99),
+        "max": int(arr.max()),
+    }
+
+
+def default_max_tokens(lengths: np.ndarray, batch_size: int) -> int:
+    """``batch_size`` × the 95th-percentile length, rounded up to a multiple of 64 (at least 64)."""
+    p95 = float(np.percentile(lengths, 95)) if lengths.size else 0.0
+    raw = int(np.ceil(batch_size * p95))
+    return max(TOKEN_ROUNDING, -(-raw // TOKEN_ROUNDING) * TOKEN_ROUNDING)
+
+
+def parse_strategy(name: str) -> tuple[str, dict[str, Any]]:
+    """Split a row name such as ``group_by_length[sorted]`` into ``("group_by_length", {"mode": "sorted"})``.
+
+    Raises:
+        ConfigError: unknown strategy, or a variant on a strategy that has none.
+    """
+    base, variant = name, None
+    if name.endswith("]") and "[" in name:
+        base, variant = name[:-1].split("[", 1)
+    if base not in REGISTRY:
+        raise ConfigError(f"strategies=: unknown strategy {name!r}; choose from {', '.join(REGISTRY)}")
+    if variant is None:
+        return base, {}
+    if base not in VARIANT_FIELDS:
+        raise ConfigError(f"strategies=: {base!r} takes no [variant] (got {name!r})")
+    return base, {VARIANT_FIELDS[base]: variant}
+
+
+def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name}= must be a positive integer, got {value!r}")
+
+
+def _spec_options(
+    base: str, batch_size: int, max_tokens: int, capacity: int, limit: int, top: int, overlong: str
+) -> dict[str, Any]:
+    if base in ("random", "group_by_length"):
+        return {"batch_size": batch_size, "max_length": limit, "overlong": overlong}
+    if base == "max_length":
+        # Pad to the longest example, or to the limit when some are longer (then they follow `overlong`).
+        return {"batch_size": batch_size, "max_length": max(1, min(limit, top)), "overlong": overlong}
+    if base == "token_budget":
+        return {"max_tokens": max_tokens, "max_length": limit, "overlong": overlong}
+    if base == "packed":
+        return {"capacity": capacity, "rows_per_batch": 1, "overlong": overlong}
+    return {}  # a strategy registered later: its own defaults
+
+
+def analyze(
+    lengths: Any,
+    *,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    capacity: int | None = None,
+    strategies: list[str] | tuple[str, ...] | None = None,
+    seed: int = 0,
+    overlong: str = "truncate",
+) -> list[dict[str, Any]]:
+    """Plan one epoch with each strategy on the same lengths and measure padding and compute.
+
+    Args:
+        lengths: (num_examples,) token lengths.
+        batch_size: examples per batch for ``random``, ``max_length`` and ``group_by_length``.
+        max_tokens: padded tokens per ``token_budget`` batch; None means ``batch_size`` × p95 length,
+            rounded up to a multiple of 64.
+        capacity: tokens per ``packed`` row; None means ``max_tokens``.
+        strategies: row names (see the module docstring); None means :data:`DEFAULT_STRATEGIES`.
+        seed: seed of every plan (epoch 0).
+        overlong: policy for examples over ``min(max_tokens, capacity)`` tokens: ``"truncate"``,
+            ``"split"``, ``"drop"`` or ``"error"``.
+
+    Returns:
+        One dict per strategy, in the order asked: ``strategy``, ``efficiency`` (real tokens / token
+        slots), ``padding_ratio``, ``padding_pct``, ``num_batches``, ``num_rows``, ``num_examples``,
+        ``num_segments``, ``real_tokens``, ``token_slots``, ``padding_tokens``, ``relative_compute``
+        (token slots / the fewest token slots of any row; None where that is 0 and this row's is
+        not), ``mean_examples_per_batch``, ``max_slots_per_batch`` (peak padded tokens of one batch), ``num_over_limit``,
+        ``num_truncated``, ``truncated_tokens``, ``num_split``, ``num_dropped``, ``dropped_tokens``,
+        ``lower_bound_rows`` and ``rows_over_lower_bound`` (packing, else None), ``plan_seconds``
+        (after a warm-up on 256 examples, so kernel compilation is not counted) and ``settings`` (the
+        shared settings and the spec's fields).
+
+    Raises:
+        DataError: no examples.
+        ConfigError: a setting is invalid (the message names it).
+        OverlongError: ``overlong="error"`` and some example is over the limit.
+    """
+    arr = as_lengths(lengths)
+    if arr.size == 0:
+        raise DataError("the dataset has no examples: nothing to analyze")
+    _check_int("batch_size", batch_size)
+    _check_int("max_tokens", max_tokens, allow_none=True)
+    _check_int("capacity", capacity, allow_none=True)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"seed= must be a non-negative integer, got {seed!r}")
+    if overlong not in OVERLONG_POLICIES:
+        raise ConfigError(f"overlong= must be one of {', '.join(OVERLONG_POLICIES)}; got {overlong!r}")
+    if isinstance(strategies, str):
+        strategies = [strategies]
+    names = list(DEFAULT_STRATEGIES if strategies is None else strategies)
+    if not names:
+        raise ConfigError("strategies= is empty; name at least one strategy")
+    parsed = [parse_strategy(name) for name in names]
+
+    max_tokens = default_max_tokens(arr, batch_size) if max_tokens is None else int(max_tokens)
+    capacity = max_tokens if capacity is None else int(capacity)
+    limit = min(max_tokens, capacity)
+    top = int(arr.max())
+    num_over = int(np.count_nonzero(arr > limit))
+    if overlong == "error" and num_over:
+        first = int(np.flatnonzero(arr > limit)[0])
+        setting = "max_tokens" if max_tokens <= capacity else "capacity"
+        raise OverlongError(
+            f"{num_over} example(s) are longer than {setting}={limit} tokens (example {first} has "
+            f"{int(arr[first])}); raise max_tokens= and capacity=, or choose overlong='truncate', "
+            "'split' or 'drop'"
+        )
+    shared = {
+        "batch_size": int(batch_size),
+        "max_tokens": max_tokens,
+        "capacity": capacity,
+        "max_length": limit,
+        "overlong": overlong,
+        "seed": int(seed),
+    }
+
+    records = []
+    for name, (base, variant) in zip(names, parsed, strict=True):
+        options = _spec_options(base, batch_size, max_tokens, capacity, limit, top, overlong)
+        spec = make_spec(base, **options, **variant)
+        # Warm-up on a few examples: loading or compiling the numba kernels is not planning time.
+        plan_batches(arr[:256], spec, seed=seed)
+        start = time.perf_counter()
+        plan = plan_batches(arr, spec, seed=seed)
+        seconds = time.perf_counter() - start
+        records.append(_record(name, plan, seconds, shared, asdict(spec)))
+    fewest = min(r["token_slots"] for r in records)
+    for r in records:
+        if fewest:
+            r["relative_compute"] = r["token_slots"] / fewest
+        else:  # only empty examples: a row with no slots costs nothing, any other has no finite ratio
+            r["relative_compute"] = 1.0 if r["token_slots"] == 0 else None
+    return records
+
+
+def _record(name: str, plan: Any, seconds: float, shared: dict, spec_fields: dict) -> dict[str, Any]:
+    st = plan.stats()
+    ov = st.overlong
+    slots = plan.slots_per_batch
+    return {
+        "strategy": name,
+        "efficiency": st.efficiency,
+        "padding_ratio": st.padding_ratio,
+        "padding_pct": 100.0 * st.padding_ratio,
+        "num_batches": st.num_batches,
+        "num_rows": st.num_rows,
+        "num_examples": st.num_examples,
+        "num_segments": st.num_segments,
+        "real_tokens": st.real_tokens,
+        "token_slots": st.token_slots,
+        "padding_tokens": st.padding_tokens,
+        "relative_compute": None,  # filled in once every strategy is planned
+        "mean_examples_per_batch": st.num_segments / st.num_batches if st.num_batches else 0.0,
+        "max_slots_per_batch": int(slots.max()) if slots.size else 0,
+        "num_over_limit": ov.num_over_limit,
+        "num_truncated": ov.num_truncated,
+        "truncated_tokens": ov.truncated_tokens,
+        "num_split": ov.num_split,
+        "num_dropped": ov.num_dropped,
+        "dropped_tokens": ov.dropped_tokens,
+        "lower_bound_rows": st.lower_bound_rows,
+        "rows_over_lower_bound": st.rows_over_lower_bound,
+        "plan_seconds": seconds,
+        "settings": {**shared, "spec": {"strategy": plan.strategy, **spec_fields}},
+    }
+
+
+def _int(v: int) -> str:
+    return f"{v:,}"
+
+
+def _overlong_cell(r: dict[str, Any]) -> str:
+    if not r["num_over_limit"]:
+        return "0"
+    done = []
+    for key, word in (("num_truncated", "trunc"), ("num_split", "split"), ("num_dropped", "drop")):
+        if r[key]:
+            done.append(f"{r[key]:,} {word}")
+    return f"{r['num_over_limit']:,} ({', '.join(done)})" if done else f"{r['num_over_limit']:,}"
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """Render :func:`analyze` records as an aligned plain-text table (one line per strategy).
+
+    Columns: efficiency and padding (%), batches, rows, token slots, compute relative to the best
+    row, examples over the per-example limit (and what was done to them), packed rows over the lower
+    bound, and planning time (ms). A record's ``num_dropped`` also counts examples a ``drop_last``
+    left out.
+    """
+    headers = [
+        "strategy",
+        "efficiency",
+        "padding",
+        "batches",
+        "rows",
+        "token slots",
+        "rel. compute",
+        "over limit",
+        "rows/LB",
+        "plan ms",
+    ]
+    right = [False] + [True] * 6 + [False, True, True]
+    rows = []
+    for r in records:
+        rel = r.get("relative_compute")
+        lb = r.get("rows_over_lower_bound")
+        rows.append(
+            [
+                r["strategy"],
+                f"{100 * r['efficiency']:.1f}%",
+                f"{r['padding_pct']:.1f}%",
+                _int(r["num_batches"]),
+                _int(r["num_rows"]),
+                _int(r["token_slots"]),
+                "-" if rel is None else f"{rel:.2f}x",
+                _overlong_cell(r),
+                "-" if lb is None else f"{lb:.4f}",
+                f"{1000 * r['plan_seconds']:.1f}",
+            ]
+        )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)]
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), sep, *(line(row) for row in rows)])
+
+
+__all__ = [
+    "DEFAULT_STRATEGIES",
+    "analyze",
+    "default_max_tokens",
+    "format_table",
+    "length_summary",
+    "parse_strategy",
+]

@@ -1,0 +1,242 @@
+"""``smart-batching analyze DATA``: padding, compute and over-limit counts of every strategy on a dataset.
+
+Prints a header (dataset, examples, length summary, tokenizer, settings) and the table of
+:func:`smart_batching.analysis.format_table`; ``--json`` prints one JSON record per strategy per line
+instead (nothing else on stdout), ``--plot FILE.png`` also draws the analysis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from smart_batching.formats import FORMATS
+from smart_batching.planners import OVERLONG_POLICIES
+
+DEFAULT_DATA = "default"
+DEFAULT_TOKENIZER = "smollm2"
+FORMAT_CHOICES = ("auto", *FORMATS)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def add_analysis_options(p: argparse.ArgumentParser) -> None:
+    """The planning settings shared by ``analyze`` and ``demo``."""
+    g = p.add_argument_group("settings")
+    g.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="examples per batch for random, max_length, group_by_length (default: 8)",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="padded tokens per token_budget batch (default: batch size x p95 length, "
+        "rounded up to a multiple of 64)",
+    )
+    g.add_argument(
+        "--capacity",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per packed row (default: --max-tokens)",
+    )
+    g.add_argument(
+        "--overlong",
+        choices=OVERLONG_POLICIES,
+        default="truncate",
+        help="what to do with examples over min(max tokens, capacity) (default: truncate)",
+    )
+    g.add_argument(
+        "--strategies",
+        default=None,
+        metavar="LIST",
+        help="comma-separated rows, e.g. random,group_by_length[sorted],packed (default: all strategies)",
+    )
+    g.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="plan seed (default: 0)")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "analyze",
+        help="compare padding and compute of every batching strategy on a dataset",
+        description=(
+            "Compute token lengths of DATA and plan one epoch with every strategy on them: efficiency "
+            "(real tokens / token slots), padding, batches, compute relative to the best, and what "
+            "happened to examples over the limit."
+        ),
+    )
+    p.add_argument(
+        "data",
+        metavar="DATA",
+        help="a data file (.json, .jsonl, .jsonl.gz, .csv, .tsv, .parquet), a save_to_disk or data folder, "
+        "a .npy array of lengths, a hub dataset name, or 'default' for the embedded default dataset",
+    )
+    d = p.add_argument_group("data")
+    d.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        metavar="T",
+        help="tokenizer alias (smollm2, gpt2, llama-sp, minilm), folder or hub name, used when "
+        "text must be tokenised (default: smollm2)",
+    )
+    d.add_argument(
+        "--column",
+        default=None,
+        metavar="C",
+        help="column of lengths, token ids or text (default: a length or input_ids column, else "
+        "the records rendered by --format)",
+    )
+    d.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="record shape (default: auto)")
+    d.add_argument(
+        "--split", default=None, metavar="S", help="split of a folder or hub dataset (default: train)"
+    )
+    add_analysis_options(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON record per strategy per line")
+    o.add_argument("--plot", default=None, metavar="FILE.png", help="also write a PNG of the analysis")
+    p.set_defaults(func=run)
+    return p
+
+
+@dataclass
+class LoadedLengths:
+    """Token lengths and where they came from (for the header and the JSON records)."""
+
+    lengths: np.ndarray
+    dataset: str
+    tokenizer: str | None  # None: lengths were read, not tokenised
+
+
+def load_lengths(
+    data: str,
+    *,
+    tokenizer: str = DEFAULT_TOKENIZER,
+    column: str | None = None,
+    format: str = "auto",
+    split: str | None = None,
+    progress: bool = False,
+) -> LoadedLengths:
+    """Lengths of ``data`` (any source :func:`~smart_batching.lengths.compute_lengths` takes, or ``default``)."""
+    from smart_batching.lengths import compute_lengths
+
+    kwargs = {"column": column, "format": format, "split": split, "progress": progress}
+    if data == DEFAULT_DATA:
+        from smart_batching.default_data import default_dataset_as_hf
+
+        lengths = compute_lengths(default_dataset_as_hf(), tokenizer, **kwargs)
+        return LoadedLengths(lengths, "default (embedded default dataset)", tokenizer)
+    if data.lower().endswith(".npy"):
+        return LoadedLengths(compute_lengths(data, None, **kwargs), data, None)
+    return LoadedLengths(compute_lengths(data, tokenizer, **kwargs), data, tokenizer)
+
+
+def strategy_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def run_analysis(loaded: LoadedLengths, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from smart_batching.analysis import analyze
+
+    return analyze(
+        loaded.lengths,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        capacity=args.capacity,
+        strategies=strategy_list(args.strategies),
+        seed=args.seed,
+        overlong=args.overlong,
+    )
+
+
+def header(loaded: LoadedLengths, records: list[dict[str, Any]], *, max_tokens_given: bool) -> str:
+    """The lines printed above the table."""
+    from smart_batching.analysis import length_summary
+
+    s = length_summary(loaded.lengths)
+    st = records[0]["settings"]
+    how = "" if max_tokens_given else f" (batch size x p95 {s['p95']:.0f}, rounded up to 64)"
+    lines = [
+        f"dataset:    {loaded.dataset}",
+        f"examples:   {s['n']:,}",
+        f"tokenizer:  {loaded.tokenizer or 'none (lengths read from the file)'}",
+        f"lengths:    {s['total']:,} tokens; mean {s['mean']:.1f}, p50 {s['p50']:.0f}, p90 {s['p90']:.0f}, "
+        f"p99 {s['p99']:.0f}, max {s['max']:,}",
+        f"settings:   batch_size={st['batch_size']}, max_tokens={st['max_tokens']}{how}, "
+        f"capacity={st['capacity']}, overlong={st['overlong']}, seed={st['seed']}",
+    ]
+    num_over = max(r["num_over_limit"] for r in records)
+    if num_over:
+        lines.append(
+            f"over limit: {num_over:,} example(s) longer than {st['max_length']} tokens "
+            f"({st['overlong']}; see the 'over limit' column)"
+        )
+    return "\n".join(lines)
+
+
+def print_report(loaded: LoadedLengths, records: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    from smart_batching.analysis import format_table
+
+    print(header(loaded, records, max_tokens_given=args.max_tokens is not None))
+    print()
+    print(format_table(records))
+
+
+def write_plot(loaded: LoadedLengths, records: list[dict[str, Any]], path: str | os.PathLike) -> str:
+    from smart_batching.plotting import plot_analysis
+
+    title = f"{loaded.dataset} ({loaded.tokenizer or 'given lengths'})"
+    return os.fspath(plot_analysis(loaded.lengths, records, path, title=title))
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = load_lengths(
+        args.data,
+        tokenizer=args.tokenizer,
+        column=args.column,
+        format=args.format,
+        split=args.split,
+        progress=not args.json and sys.stderr.isatty(),
+    )
+    records = run_analysis(loaded, args)
+    if args.json:
+        for r in records:
+            print(json.dumps({**r, "dataset": loaded.dataset, "tokenizer": loaded.tokenizer}))
+    else:
+        print_report(loaded, records, args)
+    if args.plot:
+        path = write_plot(loaded, records, args.plot)
+        print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0

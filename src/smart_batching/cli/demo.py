@@ -1,0 +1,77 @@
+"""``smart-batching demo`` (``make demo``): the main job on the embedded default dataset.
+
+The demo is a list of steps run in order, each a function ``step(args, ctx)`` that prints its part
+and may leave results in ``ctx`` (a dict) for the steps after it:
+
+1. ``analysis``: token lengths with the SmolLM2 tokenizer, every strategy planned, the table printed
+   and a plot written under ``--out`` (``out/demo/`` by default, which git ignores).
+
+A later step, the short training bench, is appended to :data:`STEPS` (see the note there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from smart_batching.cli.analyze import (
+    DEFAULT_DATA,
+    DEFAULT_TOKENIZER,
+    add_analysis_options,
+    load_lengths,
+    print_report,
+    run_analysis,
+    write_plot,
+)
+
+DEFAULT_OUT = "out/demo"
+
+Step = Callable[[argparse.Namespace, dict[str, Any]], None]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "demo",
+        help="run the analysis on the embedded default dataset (what `make demo` runs)",
+        description="Analyse the embedded default dataset with the SmolLM2 tokenizer and write a plot.",
+    )
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default: {DEFAULT_OUT})"
+    )
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, metavar="T", help="tokenizer (default: smollm2)")
+    add_analysis_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def analysis_step(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
+    """Lengths of the default dataset, every strategy planned, the table printed, the plot written."""
+    start = time.perf_counter()
+    loaded = load_lengths(DEFAULT_DATA, tokenizer=args.tokenizer, progress=sys.stderr.isatty())
+    records = run_analysis(loaded, args)
+    print("== analysis: every batching strategy on the default dataset ==")
+    print_report(loaded, records, args)
+    plot = write_plot(loaded, records, Path(args.out) / "analysis.png")
+    print(f"\nplot: {plot}")
+    print(f"(analysis took {time.perf_counter() - start:.1f} s)")
+    ctx.update(lengths=loaded.lengths, records=records, loaded=loaded)
+
+
+# The steps of the demo, in order. The short training bench goes here as a second step,
+# `bench_step(args, ctx)`, reading `ctx["lengths"]` / `ctx["records"]` and writing under `args.out`.
+STEPS: list[tuple[str, Step]] = [
+    ("analysis", analysis_step),
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    ctx: dict[str, Any] = {}
+    for i, (_name, step) in enumerate(STEPS):
+        if i:
+            print()
+        step(args, ctx)
+    return 0
