@@ -6,19 +6,23 @@ all-reduce, so the micro-batches of one step are chosen together:
 
 1. Cost each micro-batch of the base plan (any strategy): real tokens by default, ``"attention"`` for
    Σ length² (long sequences), or ``"slots"`` for padded tokens.
-2. Make the count a multiple of ``G`` by splitting the costliest micro-batches in two (no work added,
-   nothing dropped). Only when nothing is left to split does a step get an empty slot, which the
-   sampler turns into a zero-loss micro-batch so collectives never hang.
-3. Sort micro-batches by cost and deal consecutive runs of ``G`` (similar costs) to a step; inside a
-   step, longest-processing-time-first gives each rank ``accum_steps`` micro-batches with the least
-   total. For fixed-size batches a pairwise exchange of examples between the step's heaviest and
-   lightest rank then evens out what sorting alone cannot.
-4. Shuffle the order of steps (seeded): every rank computes the same plan with no communication.
+2. Sort micro-batches by cost and deal consecutive runs of ``G`` (similar costs) to a step, snake-wise
+   over ranks inside the step (vectorised over steps).
+3. The ragged tail (``B mod G`` cheapest micro-batches and the step before them, more if they hold
+   too few examples) is pooled and dealt again, costliest example first, into whole steps: nothing is
+   dropped and no work is added. Only with fewer examples than slots does a step get an empty slot,
+   which the sampler turns into a zero-loss micro-batch so collectives never hang.
+4. Steps still uneven are evened out: the step's examples are dealt again (costliest first to the
+   least-loaded rank that can take them), then single examples are moved or swapped between its
+   heaviest and lightest rank, always within the strategy's limits (capacity, token budget, batch size
+   plus one eighth). Only those steps loop in Python.
+5. The order of steps is shuffled (seeded): every rank computes the same plan with no communication.
 
-Measured on GSM8K lengths (SmolLM2 tokenizer, 7,473 examples), 2 and 4 ranks: 99 % of steps within
-1.013 (max rank cost / mean rank cost) for every strategy; the worst step 1.0003-1.07 (packed: ≤ 1.01),
-against 2.6 for HF ``group_by_length`` under accelerate. Heavy-tailed LIMA is harder: worst steps up to
-1.11 where single examples are a large share of a step.
+Measured (``benchmarks/distributed_balance.py``; SmolLM2 lengths, 2 ranks): max over steps of
+max/mean rank tokens 1.003 for packing on GSM8K and on LIMA, against 1.76 and 1.70 for HF
+``group_by_length`` and 1.93 / 1.21 for round-robin packing. Fixed-size batches and token budgets
+keep 99 % of steps within 1 % on GSM8K; a few tail steps of heavy-tailed LIMA stay 2-20 % uneven, as
+single long examples cannot be split across ranks.
 
 Topology is an explicit value, :class:`World`, read from ``torch.distributed`` in :meth:`World.detect`
 only; everything else is a pure function of (plan, world, accum_steps, cost, seed).
@@ -153,28 +157,38 @@ class DistributedPlan:
         return float(1.0 - busy / total) if total else 0.0
 
 
-def _split_units(
-    offsets: np.ndarray, seg_cost: np.ndarray, order: np.ndarray, need: int, row_aligned: np.ndarray
-):
-    """Split the ``need`` costliest splittable units in two halves of about equal cost."""
-    costs = np.add.reduceat(seg_cost[order], offsets[:-1]) if len(offsets) > 1 else np.zeros(0, np.int64)
-    sizes = np.diff(offsets)
-    splittable = np.flatnonzero(sizes >= 2)
-    if splittable.size == 0 or need == 0:
-        return offsets, 0
-    pick = splittable[np.argsort(-costs[splittable], kind="stable")[:need]]
-    new_cuts = []
-    for u in pick.tolist():
-        lo, hi = int(offsets[u]), int(offsets[u + 1])
-        cum = np.cumsum(seg_cost[order[lo:hi]])
-        cut_candidates = row_aligned[lo + 1 : hi]  # positions where a cut keeps rows whole
-        idx = np.arange(lo + 1, hi)
-        if cut_candidates.any():
-            idx = idx[cut_candidates]
-        # cut where the first half's cost is nearest half the unit's
-        k = idx[np.argmin(np.abs(cum[idx - lo - 1] - cum[-1] / 2))]
-        new_cuts.append(int(k))
-    return np.unique(np.concatenate([offsets, new_cuts])).astype(np.int64), len(pick)
+def _halve_units(units: list[list[int]], seg_cost: np.ndarray, group: int) -> list[list[int]] | None:
+    """Split the costliest units with two or more segments in two until the count is a multiple of
+    ``group``; empty units pad the rest when nothing is left to split (fewer segments than slots)."""
+    units = [u for u in units if u]
+    while len(units) % group:
+        splittable = [i for i, u in enumerate(units) if len(u) > 1]
+        if not splittable:
+            units += [[] for _ in range((-len(units)) % group)]
+            break
+        i = max(splittable, key=lambda k: int(seg_cost[units[k]].sum()))
+        unit = units.pop(i)
+        cum = np.cumsum(seg_cost[unit])
+        cut = int(np.argmin(np.abs(cum[:-1] - cum[-1] / 2))) + 1
+        units += [unit[:cut], unit[cut:]]
+    return units
+
+
+def _lpt_pieces(
+    segs: np.ndarray, seg_cost: np.ndarray, seg_len: np.ndarray, num_pieces: int, limits: _UnitLimits
+) -> list[list[int]] | None:
+    """Deal segments, costliest first, each to the cheapest piece that can take it; None if one fits nowhere."""
+    pieces: list[list[int]] = [[] for _ in range(num_pieces)]
+    load = np.zeros(num_pieces, dtype=np.int64)
+    for seg in segs[np.argsort(-seg_cost[segs], kind="stable")].tolist():
+        for p in np.argsort(load, kind="stable").tolist():
+            if limits.fits(seg_len[pieces[p] + [seg]]):
+                pieces[p].append(seg)
+                load[p] += int(seg_cost[seg])
+                break
+        else:
+            return None
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -205,6 +219,52 @@ class _UnitLimits:
         if self.max_rows is not None:
             return lengths.size <= self.max_rows
         return True
+
+
+def _step_imbalance(step: np.ndarray, members: dict[int, list[int]], seg_cost: np.ndarray) -> float:
+    rc = [sum(int(seg_cost[members[u]].sum()) for u in step[r] if u >= 0) for r in range(step.shape[0])]
+    mean = sum(rc) / len(rc)
+    return max(rc) / mean if mean else 1.0
+
+
+def _repartition_step(
+    step: np.ndarray,
+    members: dict[int, list[int]],
+    seg_cost: np.ndarray,
+    seg_len: np.ndarray,
+    limits: _UnitLimits,
+) -> bool:
+    """Pool the step's segments and deal them again, costliest first, to the least-loaded rank (and its
+    least-loaded micro-batch) that can take them. Kept only when it is more even and leaves no
+    micro-batch empty. Returns whether it was kept."""
+    units_of = [[int(u) for u in step[r] if u >= 0] for r in range(step.shape[0])]
+    if any(not units for units in units_of):
+        return False
+    pool = np.concatenate([np.asarray(members[u], dtype=np.int64) for units in units_of for u in units])
+    pool = pool[np.argsort(-seg_cost[pool], kind="stable")]
+    new: dict[int, list[int]] = {u: [] for units in units_of for u in units}
+    unit_load = dict.fromkeys(new, 0)
+    rank_load = [0] * len(units_of)
+    for seg in pool.tolist():
+        placed = False
+        for r in sorted(range(len(units_of)), key=rank_load.__getitem__):
+            for u in sorted(units_of[r], key=unit_load.__getitem__):
+                if limits.fits(seg_len[new[u] + [seg]]):
+                    new[u].append(seg)
+                    unit_load[u] += int(seg_cost[seg])
+                    rank_load[r] += int(seg_cost[seg])
+                    placed = True
+                    break
+            if placed:
+                break
+        if not placed:
+            return False
+    if any(not segs for segs in new.values()):
+        return False
+    if _step_imbalance(step, new, seg_cost) >= _step_imbalance(step, members, seg_cost):
+        return False
+    members.update(new)
+    return True
 
 
 def _balance_step(
@@ -289,22 +349,56 @@ def distribute(
         raise ConfigError(f"cost= must be one of {', '.join(COSTS)}; got {cost!r}")
     group = world_size * accum_steps
     seg_cost = _segment_costs(plan, cost)
+    limits = _UnitLimits.of(plan)
     order = np.arange(plan.num_segments, dtype=np.int64)
     offsets = plan.row_offsets[plan.batch_offsets].astype(np.int64)
-    row_starts = np.zeros(plan.num_segments + 1, dtype=bool)
-    row_starts[plan.row_offsets] = True
-    # Packed rows are cut only at row boundaries; padded batches (one segment per row) anywhere.
-    need = (-(len(offsets) - 1)) % group
-    if need:
-        offsets, _ = _split_units(offsets, seg_cost, order, need, row_starts)
-    num_units = len(offsets) - 1
-    num_steps = -(-num_units // group)
-    costs = np.add.reduceat(seg_cost, offsets[:-1]) if num_units else np.zeros(0, np.int64)
-    # Deal sorted runs of G to steps; the last step takes the cheapest units and any empty slots.
-    by_cost = np.argsort(-costs, kind="stable")
-    slots = np.full(num_steps * group, -1, dtype=np.int64)
-    slots[:num_units] = by_cost
+    unit_start, unit_end = offsets[:-1].copy(), offsets[1:].copy()
+    costs = np.add.reduceat(seg_cost, offsets[:-1]) if len(offsets) > 1 else np.zeros(0, np.int64)
+    by_cost = np.argsort(-costs, kind="stable")  # (num_units,) costliest first
+    # The ragged tail: the m = B mod G cheapest units and the step before them are pooled and dealt
+    # again, costliest segment first, into whole steps of G micro-batches: nothing dropped, no work added.
+    num_base = by_cost.shape[0]
+    m = num_base % group
+    pieces: list[np.ndarray] = [order]
+    if m:
+        take = m + group
+        sizes_all = unit_end - unit_start
+        # Grow the pool by whole steps until it holds more segments than slots (single huge examples).
+        while take < num_base and sizes_all[by_cost[num_base - take :]].sum() <= -(-take // group) * group:
+            take += group
+        tail = by_cost[max(0, num_base - take) :]
+        pool = np.concatenate([order[unit_start[u] : unit_end[u]] for u in tail.tolist()])
+        # As many pieces (a multiple of G) as keep the costliest segment from dominating a piece.
+        biggest = int(seg_cost[pool].max(initial=1)) or 1
+        fit = min(pool.shape[0], int(seg_cost[pool].sum()) // biggest)
+        num_pieces = max(group, (fit // group) * group)
+        num_pieces = min(num_pieces, -(-tail.shape[0] // group) * group)
+        dealt = _lpt_pieces(pool, seg_cost, plan.seg_lengths, num_pieces, limits)
+        if dealt is None or min(len(p) for p in dealt) == 0:
+            # Indivisible or over-limit: cut the costliest splittable units of the pool in two instead.
+            dealt = _halve_units(
+                [list(order[unit_start[u] : unit_end[u]]) for u in tail.tolist()], seg_cost, group
+            )
+        if dealt is not None:
+            keep = by_cost[: num_base - tail.shape[0]]
+            sizes = np.array([len(p) for p in dealt], dtype=np.int64)
+            new_ids = np.arange(unit_start.shape[0], unit_start.shape[0] + len(dealt))
+            starts = order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            unit_start = np.concatenate([unit_start, starts])
+            unit_end = np.concatenate([unit_end, starts + sizes])
+            pieces += [np.asarray(p, dtype=np.int64) for p in dealt]
+            costs = np.concatenate([costs, [int(seg_cost[p].sum()) if p else 0 for p in dealt]])
+            rank = np.argsort(-costs[new_ids], kind="stable")
+            # An empty piece (fewer segments than slots) is an empty slot: -1.
+            by_cost = np.concatenate([keep, np.where(sizes[rank] > 0, new_ids[rank], -1)])
+            order = np.concatenate(pieces)
+            pieces = [order]
+    num_slots = -(-by_cost.shape[0] // group) * group
+    num_steps = num_slots // group
+    slots = np.full(num_slots, -1, dtype=np.int64)
+    slots[: by_cost.shape[0]] = by_cost
     slots = slots.reshape(num_steps, group)
+    num_units = unit_start.shape[0]
     # Snake deal inside each step (vectorised over steps): ranks 0..W-1, then W-1..0, ...
     j = np.arange(group)
     rnd, k = j // world_size, j % world_size
@@ -313,17 +407,16 @@ def distribute(
     assignment[:, rank_of, rnd] = slots
     # Where a step is still uneven (the tail of the cost order, heavy-tailed data), move or swap
     # segments between its heaviest and lightest rank. Only those steps loop in Python.
-    unit_start, unit_end = offsets[:-1].copy(), offsets[1:].copy()
     if world_size > 1 and num_units and balance_rounds:
-        limits = _UnitLimits.of(plan)
         rc = np.where(assignment >= 0, costs[np.maximum(assignment, 0)], 0).sum(axis=2)
         uneven = np.flatnonzero(rc.max(axis=1) > BALANCE_TOLERANCE * np.maximum(rc.mean(axis=1), 1))
-        pieces: list[np.ndarray] = [order]
         appended = order.shape[0]
         for s in uneven.tolist():
             step = assignment[s]
             members = {int(u): list(order[unit_start[u] : unit_end[u]]) for u in step.ravel() if u >= 0}
-            if _balance_step(step, members, seg_cost, plan.seg_lengths, limits, balance_rounds):
+            changed = _repartition_step(step, members, seg_cost, plan.seg_lengths, limits)
+            changed |= _balance_step(step, members, seg_cost, plan.seg_lengths, limits, balance_rounds)
+            if changed:
                 for u, segs in members.items():
                     arr = np.asarray(segs, dtype=np.int64)
                     unit_start[u], unit_end[u] = appended, appended + arr.shape[0]
