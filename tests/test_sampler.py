@@ -76,7 +76,9 @@ def test_every_index_exactly_once_per_epoch(lengths, strategy):
         batches = list(sampler)
         assert len(batches) == len(sampler.plan_for_epoch(epoch))
         assert sorted(flat(batches)) == list(range(len(lengths)))
-        assert batches == plan_batches(lengths, strategy, seed=3, epoch=epoch, **STRATEGIES[strategy]).to_lists()
+        assert (
+            batches == plan_batches(lengths, strategy, seed=3, epoch=epoch, **STRATEGIES[strategy]).to_lists()
+        )
         epochs.append(batches)
     if strategy in SHUFFLED:
         assert epochs[0] != epochs[1] != epochs[2]
@@ -104,7 +106,9 @@ def test_set_epoch_jumps_and_keeps_a_cursor_of_the_same_epoch(lengths):
     sampler.set_epoch(0)  # same epoch: keep the cursor (HF Trainer calls this at every epoch start)
     assert sampler.batches_yielded == 2
     rest = list(sampler)
-    assert first_two + rest == plan_batches(lengths, "token_budget", seed=5, epoch=0, max_tokens=160).to_lists()
+    assert (
+        first_two + rest == plan_batches(lengths, "token_budget", seed=5, epoch=0, max_tokens=160).to_lists()
+    )
     sampler.set_epoch(0)  # back to the start of epoch 0 from epoch 1
     assert sampler.epoch == 0 and sampler.batches_yielded == 0
 
@@ -130,7 +134,9 @@ def test_resume_contract(lengths, strategy):
 def test_resume_contract_with_split_segments():
     lengths = np.array([5, 70, 3, 33, 100, 1, 64, 65, 12])
     check_resume_contract(
-        lambda: SmartBatchSampler(lengths, "token_budget", seed=2, max_tokens=96, max_length=32, overlong="split")
+        lambda: SmartBatchSampler(
+            lengths, "token_budget", seed=2, max_tokens=96, max_length=32, overlong="split"
+        )
     )
 
 
@@ -193,7 +199,9 @@ def test_no_batch_size_attribute_for_accelerate():
 
 def test_split_plans_yield_segments_that_tile_every_example():
     lengths = np.array([5, 70, 3, 33, 100, 1, 64, 65])
-    sampler = SmartBatchSampler(lengths, "token_budget", seed=0, max_tokens=96, max_length=32, overlong="split")
+    sampler = SmartBatchSampler(
+        lengths, "token_budget", seed=0, max_tokens=96, max_length=32, overlong="split"
+    )
     assert sampler.yields_segments
     keys = flat(list(sampler))
     assert all(isinstance(k, Segment) for k in keys)
@@ -269,7 +277,10 @@ def test_stateful_dataloader_saves_and_restores_the_cursor_mid_epoch(lengths, nu
     def make_loader():
         sampler = SmartBatchSampler(lengths, "packed", seed=4, capacity=128)
         return sdl.StatefulDataLoader(
-            IndexDataset(len(lengths)), batch_sampler=sampler, collate_fn=collate_indices, num_workers=num_workers
+            IndexDataset(len(lengths)),
+            batch_sampler=sampler,
+            collate_fn=collate_indices,
+            num_workers=num_workers,
         )
 
     ref_loader = make_loader()
@@ -280,7 +291,9 @@ def test_stateful_dataloader_saves_and_restores_the_cursor_mid_epoch(lengths, nu
         it = iter(loader)
         head = [next(it) for _ in range(k)]
         state = loader.state_dict()
-        assert _find_cursor(state) == (0, k), "the loader state holds the sampler cursor of the last batch returned"
+        assert _find_cursor(state) == (0, k), (
+            "the loader state holds the sampler cursor of the last batch returned"
+        )
         del it, loader
 
         resumed = make_loader()

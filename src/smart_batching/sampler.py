@@ -84,7 +84,9 @@ class SegmentDataset(Dataset):
         ids = [k.example if isinstance(k, Segment) else int(k) for k in keys]
         getitems = getattr(self.dataset, "__getitems__", None)
         rows = getitems(ids) if getitems is not None else [self.dataset[i] for i in ids]
-        return [_with_window(row, k) if isinstance(k, Segment) else row for row, k in zip(rows, keys, strict=True)]
+        return [
+            _with_window(row, k) if isinstance(k, Segment) else row for row, k in zip(rows, keys, strict=True)
+        ]
 
 
 def _with_window(row: Mapping[str, Any], seg: Segment) -> dict[str, Any]:
@@ -112,7 +114,9 @@ class SmartBatchSampler(Sampler[list[int]]):
     mid-epoch). Iterating starts at the cursor; see the module docstring for the epoch rules.
     """
 
-    def __init__(self, lengths: Any, spec_or_name: Any, *, seed: int = 0, epoch: int = 0, **options: Any) -> None:
+    def __init__(
+        self, lengths: Any, spec_or_name: Any, *, seed: int = 0, epoch: int = 0, **options: Any
+    ) -> None:
         self.spec = make_spec(spec_or_name, **options)
         self.lengths = as_lengths(lengths)
         self.seed = _non_negative("seed", seed)
@@ -229,7 +233,9 @@ class SmartBatchSampler(Sampler[list[int]]):
             raise ConfigError(f"not a SmartBatchSampler state: {state!r}")
         version = state.get("version")
         if version != STATE_VERSION:
-            raise ConfigError(f"sampler state version {version!r} is not supported (this version reads {STATE_VERSION})")
+            raise ConfigError(
+                f"sampler state version {version!r} is not supported (this version reads {STATE_VERSION})"
+            )
         changes = []
         saved_n, saved_lfp = state.get("num_examples"), state.get("lengths_fingerprint")
         if saved_lfp is not None and saved_lfp != self.lengths_fingerprint:

@@ -1,0 +1,366 @@
+"""Training throughput per batching strategy: real tokens per second under HF ``Trainer``, one run.
+
+Model: a Llama built from its config with random weights (hidden 256, 4 layers, 4 heads, MLP 768),
+fp32, ``--vocab`` tokens (default 8,192: SmolLM2 token ids are folded modulo the vocabulary so the
+LM head does not dominate a CPU run; ``--vocab 49152`` keeps SmolLM2's real vocabulary). Data: the
+first ``--examples`` GSM8K train records (``../shared/data/gsm8k/train.jsonl`` from the repository
+root), rendered question/answer as plain text by :mod:`smart_batching.formats`, tokenised with SmolLM2
+(GPT-2 when SmolLM2 is absent), loss on the answer only (``labels`` -100 on the question).
+
+Strategies, all on the same examples, the same model initialisation and the same optimizer:
+
+============================  ===================================================================
+``hf_random``                 HF Trainer, random sampler, batches of ``--batch-size`` padded to
+                              their longest (the baseline every ratio is taken against)
+``hf_group_by_length``        HF Trainer, ``train_sampling_strategy="group_by_length"``
+                              (``LengthGroupedSampler``), padded
+``hf_flattening``             HF Trainer, random sampler, ``DataCollatorWithFlattening`` (padding-free;
+                              transformers' own sdpa packed path, a dense block-causal mask)
+``group_by_length``           ours: ``SmartBatchingTrainer``, HF's megabatch algorithm, padded
+``token_budget``              ours: variable batch size under ``--batch-size x mean length x 1.25``
+                              padded tokens
+``packed``                    ours: best-fit-decreasing packs of that many tokens, packed attention
+============================  ===================================================================
+
+By default every strategy trains one epoch over the examples, so all see exactly the same tokens;
+``--steps N`` stops each one after ``N`` optimizer steps instead (they then see different examples).
+Time is measured per optimizer step (``on_step_begin`` to ``on_step_end``), after ``--warmup`` steps;
+real tokens are the non-padding input tokens of the timed steps. Both wall time (``real_tokens_per_s``)
+and this process's CPU time (``real_tokens_per_cpu_s``, from ``time.process_time``) are reported: on a
+shared machine other processes inflate wall time, and with ``--threads 1`` CPU time stays a fair
+measure of the work each strategy costs.
+
+Usage::
+
+    python benchmarks/train_throughput.py              # 128 examples, table (about 4 min on 2 busy cores)
+    python benchmarks/train_throughput.py --quick      # 64 examples
+    python benchmarks/train_throughput.py --json       # one JSON record per strategy per line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+ALL_STRATEGIES = (
+    "hf_random",
+    "hf_group_by_length",
+    "hf_flattening",
+    "group_by_length",
+    "token_budget",
+    "packed",
+)
+BASELINE = "hf_random"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- data -----------------------------------------------------------------------------------------------
+
+
+def load_examples(path: Path, num_examples: int, vocab: int) -> tuple[Any, dict[str, Any]]:
+    """Tokenised GSM8K records as a ``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``."""
+    import datasets
+
+    from smart_batching.formats import render_batch
+    from smart_batching.tokenizers import load_tokenizer
+
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: pass --data PATH to a GSM8K-style JSONL file")
+    records = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                records.append(json.loads(line))
+            if len(records) == num_examples:
+                break
+    batch = {k: [r[k] for r in records] for k in records[0]}
+    try:
+        tokenizer, tokenizer_name = load_tokenizer("smollm2"), "smollm2"
+    except Exception as exc:  # noqa: BLE001 - fall back to GPT-2 and say so
+        log(f"note: smollm2 tokenizer unavailable ({exc}); using gpt2")
+        tokenizer, tokenizer_name = load_tokenizer("gpt2"), "gpt2"
+    rendered = render_batch(batch, tokenizer)
+    special = not rendered.chat_template
+    prompt_ids = tokenizer(rendered.prompts, add_special_tokens=special)["input_ids"]
+    full_ids = tokenizer(rendered.texts, add_special_tokens=special)["input_ids"]
+    eos = tokenizer.eos_token_id
+    input_ids, labels = [], []
+    for p, ids in zip(prompt_ids, full_ids, strict=True):
+        ids = [*ids, eos] if eos is not None else list(ids)
+        ids = [t % vocab for t in ids]
+        n_prompt = min(len(p), len(ids) - 1)
+        input_ids.append(ids)
+        labels.append([-100] * n_prompt + ids[n_prompt:])
+    lengths = [len(x) for x in input_ids]
+    ds = datasets.Dataset.from_dict({"input_ids": input_ids, "labels": labels, "length": lengths})
+    info = {
+        "data": f"{path.name} (first {len(records)} records)",
+        "tokenizer": tokenizer_name,
+        "vocab": vocab,
+        "num_examples": len(records),
+        "mean_length": float(np.mean(lengths)),
+        "max_length": int(np.max(lengths)),
+        "total_tokens": int(np.sum(lengths)),
+    }
+    return ds, info
+
+
+# -- model and measurement ------------------------------------------------------------------------------
+
+
+def tiny_llama(vocab: int, hidden: int, layers: int, attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config)
+
+
+class CountingCollator:
+    """Wrap a collator and record, per batch, the real (non-padding) input tokens and the token slots."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.real: list[int] = []
+        self.slots: list[int] = []
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        features = [{k: f[k] for k in ("input_ids", "labels") if k in f} for f in features]
+        batch = self.inner(features)
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        self.real.append(int(mask.sum()) if mask is not None else int(ids.numel()))
+        self.slots.append(int(ids.numel()))
+        return batch
+
+
+def step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu_times: list[float] = []
+            self._t0 = self._c0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._t0)
+            self.cpu_times.append(time.process_time() - self._c0)
+
+    return StepTimer()
+
+
+def run_strategy(name: str, ds: Any, opts: argparse.Namespace, budget: int, out_dir: str) -> dict[str, Any]:
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from smart_batching.collate import PaddingCollator
+    from smart_batching.hf import SmartBatchingTrainer, make_collator
+
+    common = {
+        "output_dir": out_dir,
+        "use_cpu": not torch.cuda.is_available(),
+        "report_to": [],
+        "per_device_train_batch_size": opts.batch_size,
+        "num_train_epochs": 1,
+        "max_steps": opts.steps if opts.steps else -1,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "remove_unused_columns": False,
+        "seed": 0,
+        "data_seed": 0,
+    }
+    pad = 0
+    model = tiny_llama(opts.vocab, opts.hidden, opts.layers)
+    timer = step_timer()
+    settings: dict[str, Any] = {"batch_size": opts.batch_size}
+    if name.startswith("hf_"):
+        if name == "hf_flattening":
+            collator = CountingCollator(DataCollatorWithFlattening())
+        else:
+            collator = CountingCollator(PaddingCollator(pad))
+        strategy = "group_by_length" if name == "hf_group_by_length" else "random"
+        args = TrainingArguments(train_sampling_strategy=strategy, **common)
+        trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[timer])
+    else:
+        options = {
+            "group_by_length": {"batch_size": opts.batch_size},
+            "token_budget": {"max_tokens": budget},
+            "packed": {"capacity": budget},
+        }[name]
+        settings = dict(options)
+        collator = CountingCollator(make_collator(name, pad_token_id=pad))
+        trainer = SmartBatchingTrainer(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=ds,
+            data_collator=collator,
+            callbacks=[timer],
+            strategy=name,
+            strategy_options=options,
+            seed=0,
+        )
+    trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON records
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    steps = len(timer.times)
+    warm = min(opts.warmup, max(steps - 1, 0))
+    timed = timer.times[warm:]
+    # One micro-batch per optimizer step; the collator may have run one batch ahead.
+    real = int(np.sum(collator.real[warm:steps]))
+    slots = int(np.sum(collator.slots[warm:steps]))
+    seconds = float(np.sum(timed))
+    cpu_seconds = float(np.sum(timer.cpu_times[warm:]))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    tail = max(1, len(losses) // 10)
+    return {
+        "strategy": name,
+        "settings": settings,
+        "optimizer_steps": steps,
+        "timed_steps": len(timed),
+        "real_tokens": real,
+        "token_slots": slots,
+        "padding_ratio": 1.0 - real / slots if slots else 0.0,
+        "seconds": seconds,
+        "real_tokens_per_s": real / seconds if seconds else float("nan"),
+        "cpu_seconds": cpu_seconds,
+        "real_tokens_per_cpu_s": real / cpu_seconds if cpu_seconds else float("nan"),
+        "step_time_p50_s": float(np.percentile(timed, 50)) if timed else None,
+        "step_time_p90_s": float(np.percentile(timed, 90)) if timed else None,
+        "final_loss": float(np.mean(losses[-tail:])) if losses else None,
+        "train_loss": float(np.mean(losses)) if losses else None,
+        "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        # Other processes on the machine: a high load inflates wall time (see real_tokens_per_cpu_s).
+        "load_avg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+# -- output ----------------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    base = next((r for r in records if r["strategy"] == BASELINE), None)
+    head = (
+        f"{'strategy':<20} {'steps':>5} {'real tok':>9} {'padding':>8} {'real tok/s':>10} {'vs random':>9} "
+        f"{'tok/cpu-s':>9} {'vs random':>9} {'final loss':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in records:
+        wall = r["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
+        cpu = r["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"] if base else float("nan")
+        lines.append(
+            f"{r['strategy']:<20} {r['optimizer_steps']:>5} {r['real_tokens']:>9,} {r['padding_ratio']:>8.1%} "
+            f"{r['real_tokens_per_s']:>10,.0f} {wall:>8.2f}x {r['real_tokens_per_cpu_s']:>9,.0f} {cpu:>8.2f}x "
+            f"{r['final_loss']:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=GSM8K)
+    parser.add_argument("--examples", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=None, help="stop each strategy after N optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps at the start")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--strategies", default=",".join(ALL_STRATEGIES))
+    parser.add_argument("--quick", action="store_true", help="64 examples")
+    parser.add_argument("--json", action="store_true", help="one JSON record per strategy per line")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.examples = min(opts.examples, 64)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    strategies = [s.strip() for s in opts.strategies.split(",") if s.strip()]
+    unknown = sorted(set(strategies) - set(ALL_STRATEGIES))
+    if unknown:
+        raise SystemExit(f"unknown strategies {unknown}; choose from {', '.join(ALL_STRATEGIES)}")
+
+    ds, data_info = load_examples(opts.data, opts.examples, opts.vocab)
+    # Tokens per batch for the variable strategies: what a fixed batch holds on average, plus slack,
+    # and at least the longest example.
+    budget = max(int(opts.batch_size * data_info["mean_length"] * 1.25), data_info["max_length"])
+    budget = -(-budget // 64) * 64
+    env = environment()
+    log(f"data: {data_info}; token budget/capacity {budget}; {env}")
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in strategies:
+            t0 = time.perf_counter()
+            record = run_strategy(name, ds, opts, budget, os.path.join(tmp, name))
+            record.update(
+                model={"hidden": opts.hidden, "layers": opts.layers, "vocab": opts.vocab, "dtype": "float32"},
+                data=data_info,
+                env=env,
+            )
+            records.append(record)
+            base = next((r for r in records if r["strategy"] == BASELINE), None)
+            record["ratio_vs_random"] = (
+                record["real_tokens_per_s"] / base["real_tokens_per_s"] if base else None
+            )
+            record["cpu_ratio_vs_random"] = (
+                record["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"] if base else None
+            )
+            log(f"{name}: {record['real_tokens_per_s']:,.0f} real tok/s ({time.perf_counter() - t0:.0f} s)")
+            if opts.json:
+                print(json.dumps(record), flush=True)
+    if not opts.json:
+        print(format_table(records))
+        print(f"\n{env['machine']}, torch threads {env['torch_threads']}, load avg {env['load_avg_1m']}")
+    return records
+
+
+if __name__ == "__main__":
+    main()
