@@ -366,10 +366,34 @@ class SmartBatchingMixin:
     # -- data ---------------------------------------------------------------------------------------
 
     def make_train_sampler(self) -> SmartBatchSampler:
-        """A fresh sampler over ``train_dataset`` (epoch 0, cursor 0)."""
+        """A fresh sampler over ``train_dataset`` (epoch 0, cursor 0).
+
+        With several processes it is a :class:`~smart_batching.distributed_sampler.DistributedSmartBatchSampler`:
+        every rank computes the same balanced plan and iterates its own micro-batches,
+        ``gradient_accumulation_steps`` per optimizer step, with equal token counts across ranks.
+        """
         lengths = self.sb_lengths
         if lengths is None:
             lengths = dataset_lengths(self.train_dataset, length_column=self.sb_length_column)
+        args = self.args
+        if args.world_size > 1:
+            from smart_batching.distributed import World
+            from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+
+            sampler = DistributedSmartBatchSampler(
+                lengths,
+                self.sb_spec,
+                world=World(args.process_index, args.world_size),
+                accum_steps=args.gradient_accumulation_steps,
+                seed=self.sb_seed,
+            )
+            if sampler.distributed_plan().num_empty_slots:
+                raise ConfigError(
+                    f"the dataset has too few examples for {args.world_size} processes × "
+                    f"{args.gradient_accumulation_steps} accumulation steps: some micro-batches would be empty. "
+                    "Lower gradient_accumulation_steps= or the number of processes."
+                )
+            return sampler
         return SmartBatchSampler(lengths, self.sb_spec, seed=self.sb_seed)
 
     def get_train_dataloader(self) -> DataLoader:
@@ -402,7 +426,15 @@ class SmartBatchingMixin:
             params["prefetch_factor"] = args.dataloader_prefetch_factor
             params["multiprocessing_context"] = args.dataloader_multiprocessing_context
             params["in_order"] = getattr(args, "dataloader_in_order", True)
-        return self.accelerator.prepare(DataLoader(dataset, **params))
+        loader = self.accelerator.prepare(DataLoader(dataset, **params))
+        if args.world_size > 1:
+            # Our batches are already this rank's share of a balanced plan: make accelerate's
+            # BatchSamplerShard a passthrough, as transformers does for its own rank-aware sampler.
+            shard = getattr(loader, "batch_sampler", None)
+            if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+                shard.num_processes = 1
+                shard.process_index = 0
+        return loader
 
     # -- loss -----------------------------------------------------------------------------------------
 
