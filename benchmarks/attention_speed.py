@@ -73,8 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per line")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from smart_batching.attention import enable_packed_attention
     from smart_batching.collate import PackingCollator, PaddingCollator
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 "strategy": name,
                 "seconds": seconds,
                 "ratio_vs_padded": seconds / base,
+                "seconds_min": min(samples),
                 "speedup_vs_padded": base / seconds,
                 "times": samples,
                 "loss": losses[name],
@@ -132,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(lengths)} examples, {sum(lengths)} tokens (min {min(lengths)}, max {max(lengths)}); "
         f"padded batch {tuple(padded['input_ids'].shape)}; {machine}"
     )
-    print(f"{'strategy':<24}{'fwd+bwd s':>12}{'vs padded':>12}{'loss':>12}")
-    for name, seconds, _ in results:
-        print(f"{name:<24}{seconds:>12.4f}{seconds / base:>11.2f}x{losses[name]:>12.6f}")
+    print(f"{'strategy':<24}{'median s':>10}{'min s':>10}{'vs padded':>11}{'loss':>11}")
+    for name, seconds, samples in results:
+        print(f"{name:<24}{seconds:>10.4f}{min(samples):>10.4f}{seconds / base:>10.2f}x{losses[name]:>11.6f}")
 
 
 if __name__ == "__main__":
