@@ -174,15 +174,16 @@ def padded_parts(
     """
     used = int(batch_offsets[-1])
     order = order[:used]
+    ordered = segments.lengths[order]  # (used,) reused by plan_batches: one gather, not two
     num_batches = len(batch_offsets) - 1
     if fixed_width is not None:
         width = np.full(num_batches, fixed_width, dtype=np.int64)
     elif num_batches:
-        width = np.maximum.reduceat(segments.lengths[order], batch_offsets[:-1]).astype(np.int64)
+        width = np.maximum.reduceat(ordered, batch_offsets[:-1]).astype(np.int64)
     else:
         width = np.zeros(0, dtype=np.int64)
     row_offsets = np.arange(used + 1, dtype=np.int64)
-    return PlanParts(segments, order, row_offsets, batch_offsets, width)
+    return PlanParts(segments, order, row_offsets, batch_offsets, width, ordered_lengths=ordered)
 
 
 def drop_tail(segments: Segments, order: np.ndarray, batch_offsets: np.ndarray) -> Segments:

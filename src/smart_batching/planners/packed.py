@@ -36,7 +36,10 @@ from smart_batching.planners._kernels import (
 ALGORITHMS = ("auto", "bfd", "fill", "ffd")
 MAX_CAPACITY = 262_143
 FILL_WINDOW = 512  # gap (tokens) below which `fill` solves the row exactly
-AUTO_BOTH_MAX = 1_000_000  # up to this many examples, `auto` tries both algorithms when one misses the bound  # the two-level bitmap of best_fit_decreasing
+AUTO_BOTH_MAX = 1_000_000  # up to this many examples, `auto` tries both algorithms when one misses the bound
+# Above this many examples `auto` uses BFD alone: its gap to the bound shrinks with n (0.35 % at 10M GSM8K
+# lengths, 4096 capacity) while exact filling costs ~3x more time.
+AUTO_FILL_MAX = 2_000_000  # the two-level bitmap of best_fit_decreasing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,8 +51,8 @@ class PackedSpec(PlannerSpec):
         rows_per_batch: rows per batch (a padding-free collator flattens them into one sequence).
         algorithm: ``"bfd"`` (best-fit-decreasing), ``"fill"`` (row-by-row exact filling by subset sum),
             ``"ffd"`` (first-fit-decreasing), or ``"auto"``: ``bfd`` where examples over half the capacity
-            set the lower bound, else ``fill``; up to 1M examples, the other one too when the first
-            misses the bound, keeping the fewer rows.
+            set the lower bound or above 2M examples, else ``fill``; up to 1M examples, the other one
+            too when the first misses the bound, keeping the fewer rows.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``capacity``.
         shuffle: shuffle rows (True) or keep them in packing order (longest first).
     """
@@ -86,7 +89,7 @@ def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.
         # fills their gaps best; where volume sets it, rows must be filled exactly.
         lower = packing_lower_bound(sizes, capacity)
         big_bound = int(np.count_nonzero(sizes * 2 > capacity)) >= lower
-        first, second = ("bfd", "fill") if big_bound else ("fill", "bfd")
+        first, second = ("bfd", "fill") if big_bound or sizes.shape[0] > AUTO_FILL_MAX else ("fill", "bfd")
         row_of, num_rows = pack(sizes, capacity, first)
         if num_rows > lower and sizes.shape[0] <= AUTO_BOTH_MAX:
             alt_rows, alt_num = pack(sizes, capacity, second)
