@@ -55,3 +55,19 @@ def test_trainer_ddp_packed(tmp_path: Path) -> None:
 def test_trainer_ddp_other_strategies(strategy: str, tmp_path: Path) -> None:
     records, summary = run_ddp(strategy, tmp_path)
     check(records, summary)
+
+
+def test_cli_train_two_processes(tmp_path: Path) -> None:
+    """`smart-batching train --nproc 2` launches torchrun and logs the per-step rank imbalance."""
+    cmd = [
+        sys.executable, "-m", "smart_batching", "train", "--data", "default", "--num-examples", "160",
+        "--strategy", "packed", "--capacity", "1024", "--max-length", "1024", "--max-steps", "3",
+        "--nproc", "2", "--out", str(tmp_path), "--json",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"strategy"')][-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert summary["max_step_imbalance"] <= 1.05
+    assert summary["real_tokens"] > 0

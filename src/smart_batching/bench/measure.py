@@ -1,0 +1,179 @@
+"""What a training run is measured with: a counting collator and Trainer callbacks.
+
+* :class:`CountingCollator` wraps the strategy's collator and records, per batch, the examples, the
+  real tokens and the token slots the model actually computed over (so padding is measured, not
+  planned).
+* :class:`StepTimer` times each optimizer step (``on_step_begin`` to ``on_step_end``: forward, backward,
+  clipping, optimizer; the batch is already collated) and each iteration (``on_step_end`` to the next:
+  also data loading and collation). On CUDA it synchronises first, so the times are the GPU's.
+* :class:`LossRecorder` keeps the logged training loss of every step.
+* :class:`ProgressBar` is one tqdm bar per run, on stderr, with the current loss.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from smart_batching.collate import PaddingCollator
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - the hf extra is required by the bench
+    TrainerCallback = object  # type: ignore[assignment,misc]
+
+
+class CountingCollator:
+    """Wrap a collator and count what each batch it builds holds.
+
+    After training, ``examples``, ``real_tokens`` and ``slots`` are lists with one entry per batch:
+    examples in the batch, real (non-padding) tokens, and ``input_ids.numel()`` (rows × width).
+    """
+
+    def __init__(self, collator: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]) -> None:
+        self.collator = collator
+        self.examples: list[int] = []
+        self.real_tokens: list[int] = []
+        self.slots: list[int] = []
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+        batch = self.collator(features)
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        self.examples.append(len(features))
+        self.slots.append(int(ids.numel()))
+        self.real_tokens.append(int(mask.sum()) if mask is not None else int(ids.numel()))
+        return batch
+
+
+class ClassificationCollator:
+    """Pad ``input_ids`` (right side) and stack one integer ``labels`` per example: ``(num_rows,)``."""
+
+    def __init__(self, pad_token_id: int, *, pad_to_multiple_of: int | None = None) -> None:
+        self.padding = PaddingCollator(pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        labels = torch.tensor([int(f["labels"]) for f in features], dtype=torch.long)
+        inner = [{k: v for k, v in f.items() if k not in ("labels", "prompt_length")} for f in features]
+        batch = self.padding(inner)
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
+
+
+def classification_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Cross-entropy over examples; summed and divided by ``num_items_in_batch`` when Trainer gives it."""
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    if num_items_in_batch is None:
+        return torch.nn.functional.cross_entropy(logits, labels)
+    total = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    return total / torch.as_tensor(num_items_in_batch, device=total.device, dtype=total.dtype)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
+    """``p50``, ``p90``, ``mean``, ``max`` and ``n`` of a list of seconds (None when empty)."""
+    if not values:
+        return {"p50": None, "p90": None, "mean": None, "max": None, "n": 0}
+    arr = np.asarray(values, dtype=np.float64)
+    p50, p90 = np.percentile(arr, [50, 90])
+    return {
+        "p50": float(p50),
+        "p90": float(p90),
+        "mean": float(arr.mean()),
+        "max": float(arr.max()),
+        "n": len(arr),
+    }
+
+
+class StepTimer(TrainerCallback):
+    """Optimizer-step and iteration times in seconds (see the module docstring)."""
+
+    def __init__(self, device: Any = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.step_seconds: list[float] = []
+        self.iteration_seconds: list[float] = []
+        self._begin: float | None = None
+        self._last_end: float | None = None
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_end = self._now()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._begin = self._now()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = self._now()
+        if self._begin is not None:
+            self.step_seconds.append(now - self._begin)
+        if self._last_end is not None:
+            self.iteration_seconds.append(now - self._last_end)
+        self._last_end = now
+
+
+class LossRecorder(TrainerCallback):
+    """The training loss Trainer logs (``logging_steps=1``: every optimizer step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if logs and "loss" in logs:
+            self.steps.append(int(state.global_step))
+            self.losses.append(float(logs["loss"]))
+
+
+class ProgressBar(TrainerCallback):
+    """One tqdm bar per run on stderr: optimizer steps done, current loss."""
+
+    def __init__(self, description: str, *, enabled: bool = True) -> None:
+        self.description = description
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=state.max_steps, desc=self.description, unit="step", file=sys.stderr, leave=False
+            )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if self.bar is not None and logs and "loss" in logs:
+            self.bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+__all__ = [
+    "ClassificationCollator",
+    "CountingCollator",
+    "LossRecorder",
+    "ProgressBar",
+    "StepTimer",
+    "classification_loss",
+    "percentiles",
+]

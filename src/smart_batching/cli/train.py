@@ -1,0 +1,208 @@
+"""``smart-batching train``: fine-tune a model with one strategy, on one process or several.
+
+::
+
+    smart-batching train --data ../shared/data/gsm8k/train.jsonl --strategy packed --capacity 2048
+    smart-batching train --data default --strategy token_budget --nproc 2          # launches torchrun
+    torchrun --nproc_per_node 2 -m smart_batching train --data default --strategy packed
+
+With several processes every rank trains on its share of one balanced plan
+(:mod:`smart_batching.distributed`): the same number of micro-batches on every rank and equal real
+tokens per optimizer step. The per-step imbalance (max rank tokens / mean) is logged with the loss,
+and a summary line is printed at the end (``--json``: one JSON object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from smart_batching.cli.analyze import positive_int
+
+STRATEGY_CHOICES = ("random", "max_length", "group_by_length", "token_budget", "packed")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train",
+        help="fine-tune a model with one batching strategy (optionally on several processes)",
+        description=__doc__.split("::")[0].strip(),
+    )
+    p.add_argument("--data", default="default", help="dataset path, hub name, or 'default' (embedded)")
+    p.add_argument("--model", default="tiny-llama", help="tiny-llama (default), smollm2, or a model path")
+    p.add_argument("--tokenizer", default="smollm2", help="tokenizer alias, name or path (default: smollm2)")
+    p.add_argument("--strategy", default="packed", choices=STRATEGY_CHOICES)
+    p.add_argument(
+        "--batch-size", type=positive_int, default=8, help="examples per batch (fixed-size strategies)"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=4096, help="padded tokens per batch (token_budget)"
+    )
+    p.add_argument("--capacity", type=positive_int, default=2048, help="tokens per packed row (packed)")
+    p.add_argument("--max-length", type=positive_int, default=2048, help="examples are truncated to this")
+    p.add_argument("--num-examples", type=positive_int, default=None, help="use only the first N examples")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs)")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient-accumulation micro-batches")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/train", help="output folder (checkpoints, trainer state)")
+    p.add_argument("--nproc", type=positive_int, default=1, help="processes: >1 re-launches under torchrun")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def _relaunch(args: argparse.Namespace) -> int:
+    """Start ``args.nproc`` processes of this command under torchrun (gloo on CPU, NCCL on GPUs)."""
+    argv = [a for a in sys.argv[1:]]
+    # drop "--nproc N" / "--nproc=N" so the children run as plain ranks
+    cleaned: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        cleaned.append(a)
+    if cleaned and cleaned[0] != "train":
+        cleaned = (
+            ["train", *cleaned[cleaned.index("train") + 1 :]] if "train" in cleaned else ["train", *cleaned]
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    cmd += ["-m", "smart_batching", *cleaned]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _relaunch(args)
+    import torch
+    from transformers import TrainerCallback, TrainingArguments
+
+    from smart_batching.bench.models import load_bench_model
+    from smart_batching.bench.tasks import prepare_bench_data
+    from smart_batching.hf import SmartBatchingTrainer, make_collator
+    from smart_batching.tokenizers import load_tokenizer
+
+    cpu = not torch.cuda.is_available()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    tokenizer = load_tokenizer(args.tokenizer)
+    bench_model = load_bench_model(args.model, tokenizer=tokenizer)
+    data = prepare_bench_data(
+        args.data,
+        tokenizer=bench_model.tokenizer,
+        model_kind=bench_model.kind,
+        num_examples=args.num_examples,
+        eval_examples=8,
+        max_length=args.max_length,
+        num_prompts=1,
+    )
+    options = {
+        "random": {"batch_size": args.batch_size},
+        "max_length": {"batch_size": args.batch_size, "max_length": args.max_length},
+        "group_by_length": {"batch_size": args.batch_size},
+        "token_budget": {"max_tokens": max(args.max_tokens, args.max_length)},
+        "packed": {"capacity": max(args.capacity, args.max_length)},
+    }[args.strategy]
+    pad_id = bench_model.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else bench_model.tokenizer.eos_token_id or 0
+    counter = TokenCounter(make_collator(args.strategy, pad_token_id=pad_id))
+    training_args = TrainingArguments(
+        output_dir=args.out,
+        use_cpu=cpu,
+        ddp_backend="gloo" if cpu and world_size > 1 else None,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        seed=args.seed,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=not sys.stderr.isatty(),
+    )
+    imbalance: list[float] = []
+
+    class ImbalanceLogger(TrainerCallback):
+        """Per optimizer step: gather every rank's real tokens, log max / mean."""
+
+        def on_step_end(self, targs, state, control, **kw):  # noqa: ANN001
+            tokens = torch.tensor([float(counter.take())])
+            if world_size > 1 and torch.distributed.is_initialized():
+                gathered = [torch.zeros_like(tokens) for _ in range(world_size)]
+                torch.distributed.all_gather(gathered, tokens)
+                tokens = torch.cat(gathered)
+            mean = float(tokens.mean())
+            imbalance.append(float(tokens.max()) / mean if mean else 1.0)
+
+    model = bench_model.fresh()
+    trainer = SmartBatchingTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data.train,
+        data_collator=counter,
+        strategy=args.strategy,
+        strategy_options=options,
+        seed=args.seed,
+        callbacks=[ImbalanceLogger()],
+    )
+    start = time.perf_counter()
+    result = trainer.train()
+    seconds = time.perf_counter() - start
+    summary = {
+        "strategy": args.strategy,
+        "model": bench_model.name,
+        "world_size": world_size,
+        "steps": result.global_step,
+        "train_loss": result.training_loss,
+        "seconds": seconds,
+        "real_tokens": counter.total,
+        "real_tokens_per_s": counter.total * world_size / seconds if seconds else None,
+        "max_step_imbalance": max(imbalance) if imbalance else 1.0,
+        "mean_step_imbalance": sum(imbalance) / len(imbalance) if imbalance else 1.0,
+        "num_truncated": data.truncation.get("num_truncated"),
+    }
+    if training_args.process_index == 0:
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(
+                f"trained {summary['steps']} steps of {args.strategy} on {world_size} process(es) in {seconds:.1f} s: "
+                f"loss {summary['train_loss']:.4f}, {summary['real_tokens_per_s']:.0f} real tokens/s, "
+                f"per-step rank imbalance max {summary['max_step_imbalance']:.3f} "
+                f"(mean {summary['mean_step_imbalance']:.3f}); {summary['num_truncated']} examples truncated "
+                f"to --max-length {args.max_length}"
+            )
+    return 0
+
+
+class TokenCounter:
+    """Wraps a collator and counts the real tokens that pass through it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.pending = 0
+        self.total = 0
+
+    def __call__(self, features: list[dict[str, Any]]) -> Any:
+        n = sum(len(f["input_ids"]) for f in features)
+        self.pending += n
+        self.total += n
+        return self.inner(features)
+
+    def take(self) -> int:
+        n, self.pending = self.pending, 0
+        return n

@@ -1,0 +1,257 @@
+"""The training bench: records, same data per strategy, report rendering, Ctrl-C, CLI.
+
+Default tier: micro benches (a 1-layer, 16-wide Llama on a dozen short GSM8K-shaped examples, a few
+steps per strategy). Slow tier: the demo bench end to end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+pytest.importorskip("matplotlib")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from smart_batching.bench import models as bench_models  # noqa: E402
+from smart_batching.bench.report import fmt_spread, render_report, speed_ratios, summary_table  # noqa: E402
+from smart_batching.bench.runner import RECORD_FIELDS, read_records, run_bench  # noqa: E402
+from smart_batching.bench.tasks import gsm8k_answer, gsm8k_exact_match  # noqa: E402
+from smart_batching.cli import main  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MICRO = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+NUM_TRAIN = 12
+
+
+def write_gsm8k_like(folder: Path) -> Path:
+    """train.jsonl (+ test.jsonl next to it) of short question/answer records with `#### n` answers."""
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    for name, n in (("train", NUM_TRAIN), ("test", 6)):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for i in range(n):
+                q = f"What is {i} plus {i % 3}? " + " ".join(words[: 1 + (i * 7) % 9])
+                a = f"{i} + {i % 3} = {i + i % 3}.\n#### {i + i % 3}"
+                f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    return folder / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def micro_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], str]:
+    """One micro bench through the CLI with --json: random, max_length, packed; 3 steps each."""
+    root = tmp_path_factory.mktemp("bench")
+    train = write_gsm8k_like(root / "data")
+    out = root / "out"
+    mp = pytest.MonkeyPatch()
+    for key, value in MICRO.items():
+        mp.setitem(bench_models.TINY_LLAMA, key, value)
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            code = main(
+                [
+                    "bench", "--data", str(train), "--model", "tiny-llama", "--strategies", "random,max_length,packed",
+                    "--max-steps", "3", "--batch-size", "4", "--eval-examples", "4", "--num-generations", "2",
+                    "--max-new-tokens", "4", "--out", str(out), "--json", "--no-progress",
+                ]
+            )  # fmt: skip
+    finally:
+        mp.undo()
+    assert code == 0
+    lines = [json.loads(x) for x in stdout.getvalue().splitlines() if x.strip()]
+    return out, lines, stdout.getvalue()
+
+
+def test_records_written_and_complete(micro_bench):
+    out, printed, _ = micro_bench
+    records = read_records(out / "records.jsonl")
+    assert [r["strategy"] for r in records] == ["random", "max_length", "packed"]
+    assert [r["strategy"] for r in printed] == [
+        "random",
+        "max_length",
+        "packed",
+    ]  # --json: one record per line
+    for r in records:
+        assert r["status"] == "ok"
+        missing = [f for f in RECORD_FIELDS if f not in r]
+        assert not missing, missing
+        assert r["task"] == "gsm8k"
+        assert r["versions"]["torch"] and r["versions"]["transformers"] and r["versions"]["smart_batching"]
+        assert r["machine"]["cores"] >= 1 and r["machine"]["device"] == "cpu" and r["machine"]["cpu"]
+        assert r["wall_seconds"] > 0 and r["tokens_per_second"] > 0 and r["samples_per_second"] > 0
+        assert (
+            r["step_seconds"]["n"] == r["num_steps"] and r["step_seconds"]["p90"] >= r["step_seconds"]["p50"]
+        )
+        assert r["peak_memory_mb"] > 0
+        assert len(r["loss_curve"]["loss"]) == r["num_steps"]
+        assert r["loss_curve"]["examples"][-1] == NUM_TRAIN
+        assert r["eval"]["loss"] > 0 and r["eval"]["perplexity"] > 1
+        assert r["eval_initial"]["loss"] > 0
+        assert r["task_metric"]["name"] == "gsm8k_exact_match" and r["task_metric"]["total"] == 2
+        assert len(r["generations"]) == 2 and "####" in r["generations"][0]["reference"]
+        assert r["data"]["lengths"]["n"] == NUM_TRAIN and sum(r["data"]["histogram"]["counts"]) == NUM_TRAIN
+        assert r["dropped"]["num_examples_not_seen"] == 0
+
+
+def test_every_strategy_sees_the_same_examples(micro_bench):
+    out, _, _ = micro_bench
+    records = read_records(out / "records.jsonl")
+    assert len({r["examples_digest"] for r in records}) == 1
+    assert {r["num_examples_seen"] for r in records} == {NUM_TRAIN}
+    assert len({r["real_tokens"] for r in records}) == 1
+    by = {r["strategy"]: r for r in records}
+    assert by["packed"]["padding_ratio"] == 0.0
+    # max_length pads every row to the longest example of the data.
+    longest = by["max_length"]["data"]["lengths"]["max"]
+    assert by["max_length"]["token_slots"] == NUM_TRAIN * longest
+    assert by["max_length"]["token_slots"] >= by["random"]["token_slots"] > by["packed"]["token_slots"]
+    # Same batches as random (same seed, same order), only wider: the same training.
+    assert by["max_length"]["loss_curve"]["loss"] == pytest.approx(
+        by["random"]["loss_curve"]["loss"], rel=1e-3
+    )
+
+
+def test_report_renders_markdown_html_and_pngs(micro_bench):
+    out, _, stdout = micro_bench
+    md, html = out / "report.md", out / "report.html"
+    assert md.is_file() and html.is_file()
+    pngs = sorted(out.glob("bench-*.png"))
+    assert len(pngs) == 4
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG
+    text = md.read_text()
+    for word in ("random", "max_length", "packed", "x random", "truncated / dropped", "Machine", "torch"):
+        assert word in text
+    assert "](bench-" in text  # linked PNGs
+    page = html.read_text()
+    assert page.count("data:image/png;base64,") == 4 and "<table>" in page
+
+
+def test_report_cli_rerenders_from_records(micro_bench, tmp_path, capsys):
+    out, _, _ = micro_bench
+    assert main(["report", str(out / "records.jsonl"), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "report.html" in printed and "x random" in printed and "packed" in printed
+    assert (tmp_path / "report.html").is_file() and (tmp_path / "report.md").is_file()
+    assert len(list(tmp_path.glob("bench-*.png"))) == 4
+
+
+def test_report_cli_refuses_missing_file(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope.jsonl")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+class InterruptOnRun(TrainerCallback):
+    """Raise KeyboardInterrupt when the n-th run starts training (1-based)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.seen += 1
+        if self.seen == self.n:
+            raise KeyboardInterrupt
+
+
+def test_keyboard_interrupt_keeps_finished_records(tmp_path):
+    train = write_gsm8k_like(tmp_path / "data")
+    records = run_bench(
+        train, model="tiny-llama", model_options=MICRO, strategies=("random", "packed", "token_budget"),
+        max_steps=2, batch_size=4, eval_examples=2, num_generations=1, max_new_tokens=2,
+        out_dir=tmp_path / "out", progress=False, callbacks=[InterruptOnRun(2)],
+    )  # fmt: skip
+    assert [r["strategy"] for r in records] == ["random"]
+    on_disk = read_records(tmp_path / "out" / "records.jsonl")
+    assert [r["strategy"] for r in on_disk] == ["random"]
+    assert (tmp_path / "out" / "report.html").is_file()  # rendered from what finished
+
+
+def _record(strategy: str, seed: int, tps: float, loss: float) -> dict:
+    return {
+        "bench_id": "b", "status": "ok", "strategy": strategy, "seed": seed, "tokens_per_second": tps,
+        "num_steps": 3, "num_examples_seen": 12, "wall_seconds": 1000 / tps, "cpu_seconds": 2000 / tps,
+        "samples_per_second": 1.0,
+        "step_seconds": {"p50": 0.1, "p90": 0.2}, "padding_ratio": 0.5, "token_slots": 100, "peak_memory_mb": 10.0,
+        "train_loss_final": 1.0, "eval": {"loss": loss, "perplexity": 2.0}, "task_metric": None, "dropped": {},
+        "model": "m", "task": "lm", "data": {"source": "d"}, "settings": {}, "machine": {"cpu": "x", "cores": 2},
+    }  # fmt: skip
+
+
+def test_ratios_and_spread_from_synthetic_records():
+    records = [
+        _record("random", 0, 100.0, 2.0), _record("packed", 0, 300.0, 2.2),
+        _record("random", 1, 200.0, 2.0), _record("packed", 1, 400.0, 2.4),
+    ]  # fmt: skip
+    ratios = speed_ratios(records)
+    assert ratios["random"] == [1.0, 1.0] and ratios["packed"] == pytest.approx([3.0, 2.0])
+    assert speed_ratios(records, key="cpu_seconds")["packed"] == pytest.approx([3.0, 2.0])
+    assert fmt_spread([2.2, 2.4]) == "2.300 (2.200–2.400)"
+    assert fmt_spread([1.0]) == "1.000"
+    assert fmt_spread([1.0, 2.0, 3.0], "{:.1f}") == "2.0 ± 1.0"
+    table = summary_table(records)
+    assert "2.50 (2.00–3.00)x" in table and "machine: x, 2 cores" in table
+
+
+def test_gsm8k_answer_parsing():
+    assert gsm8k_answer("so 3 + 4 = 7.\n#### 7") == "7"
+    assert gsm8k_answer("#### 1,234") == "1234"
+    assert gsm8k_answer("#### $5.00") == "5"
+    assert gsm8k_answer("no answer") is None
+    assert gsm8k_exact_match("blah #### 18", "x\n#### 18")
+    assert not gsm8k_exact_match("blah", "#### 18")
+
+
+def test_classification_path_skips_packed(tmp_path):
+    folder = tmp_path / "sst"
+    folder.mkdir()
+    rows = ["label\tsentence"] + [
+        f"{i % 2}\t{'great fun' if i % 2 else 'dull and slow'} film number {i}" for i in range(16)
+    ]
+    (folder / "train.tsv").write_text("\n".join(rows) + "\n")
+    (folder / "dev.tsv").write_text("\n".join(rows[:7]) + "\n")
+    records = run_bench(
+        folder / "train.tsv", model="minilm", strategies=("random", "packed"), num_examples=8, batch_size=4,
+        eval_examples=6, out_dir=tmp_path / "out", progress=False,
+    )  # fmt: skip
+    by = {r["strategy"]: r for r in records}
+    assert by["packed"]["status"] == "skipped" and "classification" in by["packed"]["skip_reason"]
+    ok = by["random"]
+    assert ok["task"] == "classification" and ok["task_metric"]["name"] == "accuracy"
+    assert ok["task_metric"]["total"] == 6 and ok["num_examples_seen"] == 8
+    assert ok["data"]["eval_source"].endswith("dev.tsv")
+    assert "skipped" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_demo_bench_end_to_end(tmp_path):
+    from smart_batching.bench import run_demo_bench
+
+    records_path, report_path, table = run_demo_bench(tmp_path, progress=False)
+    records = read_records(records_path)
+    assert [r["strategy"] for r in records] == [
+        "random",
+        "max_length",
+        "group_by_length",
+        "token_budget",
+        "packed",
+    ]
+    assert all(r["status"] == "ok" for r in records)
+    assert len({r["examples_digest"] for r in records}) == 1
+    assert report_path.is_file() and report_path.suffix == ".html"
+    assert "packed" in table and "x random" in table
+    rerendered = render_report(records_path, tmp_path / "again")
+    assert rerendered.html.is_file()
