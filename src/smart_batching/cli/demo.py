@@ -5,8 +5,8 @@ and may leave results in ``ctx`` (a dict) for the steps after it:
 
 1. ``analysis``: token lengths with the SmolLM2 tokenizer, every strategy planned, the table printed
    and a plot written under ``--out`` (``out/demo/`` by default, which git ignores).
-
-A later step, the short training bench, is appended to :data:`STEPS` (see the note there).
+2. ``bench``: the same tiny Llama fine-tuned once per strategy on the default dataset, with the
+   report (Markdown, HTML, plots) under ``--out/bench`` and the summary table printed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ Step = Callable[[argparse.Namespace, dict[str, Any]], None]
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo",
-        help="run the analysis on the embedded default dataset (what `make demo` runs)",
+        help="analysis and a short training bench on the embedded default dataset (what `make demo` runs)",
         description="Analyse the embedded default dataset with the SmolLM2 tokenizer and write a plot.",
     )
     p.add_argument(
@@ -61,10 +61,21 @@ def analysis_step(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
     ctx.update(lengths=loaded.lengths, records=records, loaded=loaded)
 
 
-# The steps of the demo, in order. The short training bench goes here as a second step,
-# `bench_step(args, ctx)`, reading `ctx["lengths"]` / `ctx["records"]` and writing under `args.out`.
+def bench_step(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
+    """A short training bench: the same tiny Llama fine-tuned once per strategy, then the report."""
+    from smart_batching.bench.demo import run_demo_bench
+
+    print("== bench: fine-tune the same model once per strategy (tiny Llama, 64 examples) ==")
+    sys.stdout.flush()
+    records, report, table = run_demo_bench(Path(args.out) / "bench", progress=True)
+    print(table)
+    print(f"\nrecords: {records}\nreport:  {report}")
+
+
+# The steps of the demo, in order.
 STEPS: list[tuple[str, Step]] = [
     ("analysis", analysis_step),
+    ("bench", bench_step),
 ]
 
 
