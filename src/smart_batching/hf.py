@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from smart_batching.errors import ConfigError, DataError, require
+from smart_batching.errors import ConfigError, require
 from smart_batching.loss import TokenLoss, count_target_tokens
 from smart_batching.planners import make_spec
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
@@ -270,6 +270,7 @@ class SmartBatchingMixin:
         seed: int | None = None,
         packed_attention: bool = True,
         shift_labels: bool | None = None,
+        streaming_buffer_size: int = 10_000,
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -283,6 +284,7 @@ class SmartBatchingMixin:
             packed_attention=packed_attention,
             shift_labels=shift_labels,
             replace_collator=not user_collator,
+            streaming_buffer_size=streaming_buffer_size,
         )
 
     def setup_smart_batching(
@@ -296,6 +298,7 @@ class SmartBatchingMixin:
         packed_attention: bool = True,
         shift_labels: bool | None = None,
         replace_collator: bool = True,
+        streaming_buffer_size: int = 10_000,
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -313,6 +316,8 @@ class SmartBatchingMixin:
             shift_labels: Causal-LM label shift for the token count of :class:`~smart_batching.loss.TokenLoss`
                 (used only for models whose forward takes no loss kwargs); None detects it.
             replace_collator: Install the strategy's collator as ``data_collator``.
+            streaming_buffer_size: Examples planned at a time when ``train_dataset`` is streamed (an
+                HF or torch ``IterableDataset``); see :mod:`smart_batching.streaming`.
 
         Raises:
             ConfigError: bad strategy options, or (``packed``) a model that would leak attention.
@@ -323,6 +328,7 @@ class SmartBatchingMixin:
             seed if seed is not None else args.data_seed if args.data_seed is not None else args.seed
         )
         self.sb_lengths = lengths
+        self.sb_streaming_buffer = int(streaming_buffer_size)
         self.sb_length_column = length_column
         self.sb_sampler: SmartBatchSampler | None = None
         self._sb_resume_state: dict[str, Any] | None = None
@@ -399,10 +405,8 @@ class SmartBatchingMixin:
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            raise DataError(
-                "smart batching needs a map-style train_dataset (with len and indexing), not an iterable one"
-            )
+        if _is_iterable(self.train_dataset):
+            return self._streaming_dataloader()
         sampler = self.make_train_sampler()
         if self._sb_resume_state is not None:
             sampler.check_state_dict(self._sb_resume_state)
@@ -435,6 +439,35 @@ class SmartBatchingMixin:
                 shard.num_processes = 1
                 shard.process_index = 0
         return loader
+
+    def _streaming_dataloader(self) -> DataLoader:
+        """A streamed ``train_dataset`` (HF ``IterableDataset`` or torch ``IterableDataset``): batches are
+        planned online over a bounded buffer (:mod:`smart_batching.streaming`); ``streaming_buffer_size``
+        examples at a time (default 10,000). Needs ``max_steps`` (the stream has no length)."""
+        from smart_batching.streaming import StreamingBatchDataset
+
+        args = self.args
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ConfigError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
+        if args.world_size > 1:
+            raise ConfigError(
+                "streamed datasets on several processes give ranks unequal batch counts; train streamed data "
+                "on one process, or materialise it (Dataset) to get balanced distributed plans"
+            )
+        dataset = StreamingBatchDataset(
+            self.train_dataset,
+            self.sb_spec,
+            buffer_size=self.sb_streaming_buffer,
+            seed=self.sb_seed,
+            rank=0,
+            world_size=1,
+            collate_fn=self.data_collator,
+        )
+        self.sb_sampler = None
+        # Not passed through accelerator.prepare: on one process there is nothing to shard, and its
+        # IterableDataset wrappers would re-batch our already collated batches. Trainer moves them
+        # to the device in _prepare_inputs.
+        return DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
 
     # -- loss -----------------------------------------------------------------------------------------
 
@@ -558,6 +591,17 @@ def _detect_shift_labels(trainer: Any) -> bool:
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     # Subclasses of a causal LM (a wrapper with a narrower forward) shift like their parent.
     return any(c.__name__ in causal or c.__name__.endswith("ForCausalLM") for c in type(model).__mro__)
+
+
+def _is_iterable(dataset: Any) -> bool:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        return isinstance(dataset, datasets.IterableDataset)
+    except ImportError:  # pragma: no cover - datasets is in the hf extra
+        return False
 
 
 def read_sampler_state(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
