@@ -126,7 +126,7 @@ def _run(world_size: int, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_balanced_sampler_and_ddp(world_size: int, tmp_path: Path) -> None:
     reports = _run(world_size, tmp_path)
     for name, _ in STRATEGIES:

@@ -57,6 +57,7 @@ def test_trainer_ddp_other_strategies(strategy: str, tmp_path: Path) -> None:
     check(records, summary)
 
 
+@pytest.mark.slow
 def test_cli_train_two_processes(tmp_path: Path) -> None:
     """`smart-batching train --nproc 2` launches torchrun and logs the per-step rank imbalance."""
     cmd = [
