@@ -322,8 +322,11 @@ class SmartBatchingMixin:
         Raises:
             ConfigError: bad strategy options, or (``packed``) a model that would leak attention.
         """
-        self.sb_spec = make_spec(strategy, **dict(strategy_options or {}))
         args = self.args
+        options = dict(strategy_options or {})
+        if "auto" in (options.get("max_tokens"), options.get("capacity")):
+            options = self._resolve_auto_budget(strategy, options, lengths, length_column)
+        self.sb_spec = make_spec(strategy, **options)
         self.sb_seed = int(
             seed if seed is not None else args.data_seed if args.data_seed is not None else args.seed
         )
@@ -370,6 +373,36 @@ class SmartBatchingMixin:
             )
 
     # -- data ---------------------------------------------------------------------------------------
+
+    def _resolve_auto_budget(
+        self, strategy: Any, options: dict[str, Any], lengths: Any, length_column: str | None
+    ) -> dict[str, Any]:
+        """``max_tokens="auto"`` / ``capacity="auto"``: the largest budget whose costliest batch trains
+        within memory (:func:`smart_batching.autotune.find_max_tokens`). ``memory_cap_bytes`` (required on
+        CPU) caps the peak; ``tokens_per_step`` keeps the tokens of an optimizer step constant by setting
+        ``gradient_accumulation_steps``."""
+        from smart_batching.autotune import accumulation_steps_for, find_max_tokens
+
+        key = "max_tokens" if options.get("max_tokens") == "auto" else "capacity"
+        cap = options.pop("memory_cap_bytes", None)
+        per_step = options.pop("tokens_per_step", None)
+        candidates = options.pop("auto_candidates", None)
+        if lengths is None:
+            lengths = dataset_lengths(self.train_dataset, length_column=length_column)
+        args = self.args
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        extra = {"candidates": candidates} if candidates else {}
+        plan_options = {k: v for k, v in options.items() if k != key}
+        budget = find_max_tokens(
+            self.model, lengths, getattr(strategy, "name", strategy), memory_cap_bytes=cap,
+            autocast_dtype=dtype, **extra, **plan_options,
+        )  # fmt: skip
+        options[key] = budget
+        if per_step:
+            args.gradient_accumulation_steps = accumulation_steps_for(int(per_step), budget)
+        logger.info("smart batching: %s=auto resolved to %d tokens", key, budget)
+        self.sb_auto_budget = budget
+        return options
 
     def make_train_sampler(self) -> SmartBatchSampler:
         """A fresh sampler over ``train_dataset`` (epoch 0, cursor 0).
