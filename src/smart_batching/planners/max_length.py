@@ -11,15 +11,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from smart_batching.planners._common import (
-    PlannerSpec,
-    PlanParts,
-    apply_overlong,
-    drop_tail,
-    fixed_offsets,
-    padded_parts,
-    permutation,
-)
+from smart_batching.planners._common import PlannerSpec, PlanParts
+from smart_batching.planners.random import plan_random
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,13 +39,8 @@ class MaxLengthSpec(PlannerSpec):
 
 
 def plan_max_length(lengths: np.ndarray, spec: MaxLengthSpec, rng: np.random.Generator) -> PlanParts:
-    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
-    order = permutation(segments.lengths.shape[0], rng)
-    offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
-    if spec.drop_last:
-        segments = drop_tail(segments, order, offsets)
-    if spec.max_length is not None:
-        width = spec.max_length
-    else:
-        width = int(segments.lengths.max()) if segments.lengths.size else 0
-    return padded_parts(segments, order, offsets, fixed_width=width)
+    # The same shuffled batches as ``random``; only the padded width differs.
+    parts = plan_random(lengths, spec, rng)  # type: ignore[arg-type]  (same fields)
+    seg_len = parts.segments.lengths
+    width = spec.max_length if spec.max_length is not None else int(seg_len.max()) if seg_len.size else 0
+    return parts._replace(batch_width=np.full(len(parts.batch_offsets) - 1, width, dtype=np.int64))
