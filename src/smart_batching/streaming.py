@@ -249,7 +249,7 @@ def _round_fixed(
     bs = spec.batch_size
     shuffle_batches = False
     if isinstance(spec, GroupByLengthSpec) and spec.mode == "megabatch":
-        order = megabatch_order(lens, bs, spec.megabatch_mult, rng)
+        order, _ = megabatch_order(lens, bs, spec.megabatch_mult, rng)
     elif isinstance(spec, GroupByLengthSpec):
         order, shuffle_batches = sort_by_length(lens, rng), True
     else:

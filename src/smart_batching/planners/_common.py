@@ -167,6 +167,7 @@ def padded_parts(
     batch_offsets: np.ndarray,
     *,
     fixed_width: int | None = None,
+    ordered: np.ndarray | None = None,
 ) -> PlanParts:
     """PlanParts for strategies with one segment per row, padded to the longest (or a fixed width).
 
@@ -174,7 +175,8 @@ def padded_parts(
     """
     used = int(batch_offsets[-1])
     order = order[:used]
-    ordered = segments.lengths[order]  # (used,) reused by plan_batches: one gather, not two
+    # (used,) lengths in plan order, reused by plan_batches: one gather, not two (none if given)
+    ordered = segments.lengths[order] if ordered is None else ordered[:used]
     num_batches = len(batch_offsets) - 1
     if fixed_width is not None:
         width = np.full(num_batches, fixed_width, dtype=np.int64)

@@ -77,16 +77,18 @@ def megabatch_order(
     """HF ``get_length_grouped_indices`` on numpy randomness, vectorised. Returns (n,) positions."""
     n = lengths.shape[0]
     if n == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     if mult is None:
         mult = max(1, min(n // (batch_size * 4), 50))
     mega = mult * batch_size
     perm = permutation(n, rng)  # (n,)
     top = int(lengths.max())
+    values = lengths[perm]  # (n,)
     if top * (n // mega + 1) <= 8 * n + (1 << 20):
-        order = perm[sort_blocks_descending(lengths[perm], mega, top)]
+        local = sort_blocks_descending(values, mega, top)
+        order, ordered = perm[local], values[local]
     else:  # very long lengths relative to the megabatch: numpy's sort per block
-        keys = (top - lengths[perm]).astype(_radix_dtype(top), copy=False)
+        keys = (top - values).astype(_radix_dtype(top), copy=False)
         order = np.empty(n, dtype=np.int64)
         num_full = n // mega
         cut = num_full * mega
@@ -96,19 +98,21 @@ def megabatch_order(
             order[:cut] = perm[blocks.ravel()]
         if cut < n:
             order[cut:] = perm[cut + np.argsort(keys[cut:], kind="stable")]
+        ordered = lengths[order]
     # Swap the first element of the megabatch holding the global maximum into position 0.
     starts = np.arange(0, n, mega)
-    best = int(np.argmax(lengths[order[starts]]))
+    best = int(np.argmax(ordered[starts]))
     j = int(starts[best])
     order[0], order[j] = order[j], order[0]
-    return order
+    ordered[0], ordered[j] = ordered[j], ordered[0]
+    return order, ordered
 
 
 def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.random.Generator) -> PlanParts:
     segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
     seg_len = segments.lengths
     if spec.mode == "megabatch":
-        order = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng)
+        order, ordered = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng)
         offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
     else:
         order = sort_by_length(seg_len, rng)
@@ -120,4 +124,4 @@ def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.r
         return padded_parts(segments, order, offsets)
     if spec.drop_last:
         segments = drop_tail(segments, order, offsets)
-    return padded_parts(segments, order, offsets)
+    return padded_parts(segments, order, offsets, ordered=ordered)

@@ -136,12 +136,14 @@ def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.
     """
     if sizes.shape[0] == 0:
         return np.zeros(0, dtype=np.int64), 0
+    if algorithm == "auto" and sizes.shape[0] > AUTO_FILL_MAX:
+        algorithm = "bfd"
     if algorithm == "auto":
         # Where examples over half the capacity set the bound, each needs a row of its own and BFD
         # fills their gaps best; where volume sets it, rows must be filled exactly.
         lower = packing_lower_bound(sizes, capacity)
         big_bound = int(np.count_nonzero(sizes * 2 > capacity)) >= lower
-        first, second = ("bfd", "fill") if big_bound or sizes.shape[0] > AUTO_FILL_MAX else ("fill", "bfd")
+        first, second = ("bfd", "fill") if big_bound else ("fill", "bfd")
         row_of, num_rows = pack(sizes, capacity, first)
         if num_rows > lower and sizes.shape[0] <= AUTO_BOTH_MAX:
             alt_rows, alt_num = pack(sizes, capacity, second)
