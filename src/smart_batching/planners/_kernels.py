@@ -402,10 +402,32 @@ def _shuffle_range(arr, lo, hi, state):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def shuffled_permutation(n, seed):  # pragma: no cover - compiled
-    """A uniformly random permutation of 0..n-1, seeded."""
+    """A uniformly random permutation of 0..n-1, seeded.
+
+    Large n: every index goes to a uniform random bucket of about 8k (the bucket draws are replayed
+    from the saved generator state instead of being stored), then each bucket is shuffled in place.
+    """
     state = np.array([seed], dtype=np.uint64)
-    out = np.arange(n)
-    _shuffle_range(out, 0, n, state)
+    if n <= _SMALL_RANGE:
+        out = np.arange(n)
+        _shuffle_small(out, 0, n, state)
+        return out
+    nb = n >> 13
+    start_state = state[0]
+    starts = np.zeros(nb + 1, dtype=np.int64)
+    for _i in range(n):
+        starts[_below(state, nb) + 1] += 1
+    for b in range(nb):
+        starts[b + 1] += starts[b]
+    fill = starts[:-1].copy()
+    state[0] = start_state  # replay the same bucket draws
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        b = _below(state, nb)
+        out[fill[b]] = i
+        fill[b] += 1
+    for b in range(nb):
+        _shuffle_small(out, starts[b], starts[b + 1], state)
     return out
 
 
