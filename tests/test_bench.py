@@ -203,7 +203,7 @@ def test_ratios_and_spread_from_synthetic_records():
     assert fmt_spread([1.0]) == "1.000"
     assert fmt_spread([1.0, 2.0, 3.0], "{:.1f}") == "2.0 ± 1.0"
     table = summary_table(records)
-    assert "2.50 (2.00–3.00)x" in table and "machine: x, 2 cores" in table
+    assert "2.50±0.50x" in table and "machine: x, 2 cores" in table
 
 
 def test_gsm8k_answer_parsing():

@@ -115,8 +115,9 @@ def plot_loss_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> 
     plt = _pyplot()
     groups = _by_strategy(records)
     colors = _colors(list(groups))
+    styles = ["-", "--", "-.", ":"]  # lines of strategies that train alike (random, max_length) stay visible
     fig, ax = plt.subplots(figsize=(9, 4.8), constrained_layout=True)
-    for name, runs in groups.items():
+    for s_index, (name, runs) in enumerate(groups.items()):
         for k, r in enumerate(runs):
             curve = r.get("loss_curve") or {}
             x, y = curve.get("examples") or [], curve.get("loss") or []
@@ -125,7 +126,14 @@ def plot_loss_curves(records: list[dict[str, Any]], path: str | os.PathLike) -> 
             ax.plot(x, y, color=colors[name], alpha=0.2, linewidth=0.8)
             alpha = min(1.0, 4.0 / max(len(y), 1) * 2)
             label = name if k == 0 else None
-            ax.plot(x, _ema(y, alpha), color=colors[name], linewidth=1.8, label=label)
+            ax.plot(
+                x,
+                _ema(y, alpha),
+                color=colors[name],
+                linewidth=1.8,
+                label=label,
+                linestyle=styles[s_index % 4],
+            )
     initial = (records[0].get("eval_initial") or {}).get("loss") if records else None
     if initial is not None:
         ax.axhline(
@@ -172,6 +180,8 @@ def plot_eval(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
         )
         vals = [[100 * (r.get("task_metric") or {}).get("value", 0.0) for r in groups[n]] for n in names]
         _bars(axes[1], names, vals, colors, "{:.1f}%")
+        top = max((max(v) for v in vals if v), default=0.0)
+        axes[1].set_ylim(0, max(5.0, min(100.0, top * 1.25)))
         init_metric = ((records[0].get("eval_initial") or {}).get("task_metric") or {}).get("value")
         t = f"{metric_name} (%)"
         if init_metric is not None:

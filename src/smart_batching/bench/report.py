@@ -61,8 +61,8 @@ def speed_ratios(
     """Per strategy, the speed-up over ``baseline`` for each seed that both ran (same bench).
 
     Every run of a bench trains on the same tokens, so the speed-up is ``baseline time / run time``
-    (``key="wall_seconds"``: the tokens/s ratio; ``key="cpu_seconds"``: process CPU time, steadier on a
-    shared machine).
+    (``key="wall_seconds"``: the tokens/s ratio; ``key="cpu_seconds"``: process CPU time;
+    ``key="token_slots"``: the padded compute, which no other process on the machine can disturb).
     """
     base = {r["seed"]: r.get(key) for r in records if r["strategy"] == baseline and r.get("status") == "ok"}
     out: dict[str, list[float]] = {}
@@ -72,14 +72,19 @@ def speed_ratios(
     return out
 
 
-def fmt_spread(values: Sequence[float | None], fmt: str = "{:.3f}") -> str:
-    """``v`` for one value, ``v (lo–hi)`` for two, ``mean ± std`` for more; ``-`` for none."""
+def fmt_spread(values: Sequence[float | None], fmt: str = "{:.3f}", *, compact: bool = False) -> str:
+    """``v`` for one value, ``v (lo–hi)`` for two, ``mean ± std`` for more; ``-`` for none.
+
+    ``compact=True`` writes ``v±d`` in every case (``d``: half the range for two values, the std for more).
+    """
     vals = [v for v in values if v is not None and np.isfinite(v)]
     if not vals:
         return "-"
     center, lo, hi = spread(vals)
     if len(vals) == 1:
         return fmt.format(center)
+    if compact:
+        return f"{fmt.format(center)}±{fmt.format((hi - lo) / 2)}"
     if len(vals) == 2:
         return f"{fmt.format(center)} ({fmt.format(lo)}–{fmt.format(hi)})"
     return f"{fmt.format(center)} ± {fmt.format(hi - center)}"
@@ -103,26 +108,36 @@ def _cut_cell(r: dict[str, Any]) -> str:
     return ", ".join(parts) or "none"
 
 
-def _metric_cell(runs: list[dict[str, Any]]) -> str:
+def _metric_cell(runs: list[dict[str, Any]], compact: bool = False) -> str:
     metrics = [r.get("task_metric") for r in runs if r.get("task_metric")]
     if not metrics:
         return "-"
     values = [100 * m["value"] for m in metrics]
-    cell = fmt_spread(values, "{:.1f}") + "%"
+    cell = fmt_spread(values, "{:.1f}", compact=compact) + "%"
     if len(metrics) == 1:
         cell += f" ({metrics[0]['correct']}/{metrics[0]['total']})"
     return cell
 
 
-def summary_rows(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Headers and one row per strategy of one bench (strings, ready for any table format)."""
+def summary_rows(
+    records: Sequence[dict[str, Any]], *, compact: bool = False
+) -> tuple[list[str], list[list[str]]]:
+    """Headers and one row per strategy of one bench (strings, ready for any table format).
+
+    ``compact=True`` writes spreads across seeds as ``v±d`` (see :func:`fmt_spread`).
+    """
+
+    def cell(values: Sequence[float | None], fmt: str) -> str:
+        return fmt_spread(values, fmt, compact=compact)
+
     headers = [
         "strategy", "seeds", "steps", "examples", "wall s", "CPU s", "tokens/s", "x random", "x random CPU", "samples/s",
-        "step p50/p90 ms", "padding", "token slots", "peak MB", "train loss", "eval loss", "ppl", "task metric",
+        "step p50/p90 ms", "padding", "token slots", "x random slots", "peak MB", "train loss", "eval loss", "ppl", "task metric",
         "truncated / dropped",
     ]  # fmt: skip
     ratios = speed_ratios(records)
     cpu_ratios = speed_ratios(records, key="cpu_seconds")
+    slot_ratios = speed_ratios(records, key="token_slots")
     rows = []
     for name, runs in _strategies(records).items():
         ok = [r for r in runs if r.get("status") == "ok"]
@@ -132,7 +147,7 @@ def summary_rows(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[lis
                     name,
                     str(len(runs)),
                     *["-"] * (len(headers) - 3),
-                    f"skipped: {runs[0].get('skip_reason', '')}",
+                    "skipped: " + str(runs[0].get("skip_reason", "")).split(":")[0],
                 ]
             )
             continue
@@ -146,20 +161,21 @@ def summary_rows(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[lis
                 ",".join(str(r["seed"]) for r in ok),
                 "/".join(str(s) for s in steps),
                 f"{_mean([r['num_examples_seen'] for r in ok]):,.0f}",
-                fmt_spread([r["wall_seconds"] for r in ok], "{:.1f}"),
-                fmt_spread([r.get("cpu_seconds") for r in ok], "{:.1f}"),
-                fmt_spread([r["tokens_per_second"] for r in ok], "{:,.0f}"),
-                fmt_spread(ratios.get(name, []), "{:.2f}") + ("x" if ratios.get(name) else ""),
-                fmt_spread(cpu_ratios.get(name, []), "{:.2f}") + ("x" if cpu_ratios.get(name) else ""),
-                fmt_spread([r["samples_per_second"] for r in ok], "{:.2f}"),
+                cell([r["wall_seconds"] for r in ok], "{:.1f}"),
+                cell([r.get("cpu_seconds") for r in ok], "{:.1f}"),
+                cell([r["tokens_per_second"] for r in ok], "{:,.0f}"),
+                cell(ratios.get(name, []), "{:.2f}") + ("x" if ratios.get(name) else ""),
+                cell(cpu_ratios.get(name, []), "{:.2f}") + ("x" if cpu_ratios.get(name) else ""),
+                cell([r["samples_per_second"] for r in ok], "{:.2f}"),
                 "-" if p50 is None else f"{1000 * p50:,.0f} / {1000 * (p90 or 0):,.0f}",
-                fmt_spread([100 * r["padding_ratio"] for r in ok], "{:.1f}") + "%",
+                cell([100 * r["padding_ratio"] for r in ok], "{:.1f}") + "%",
                 f"{_mean([r['token_slots'] for r in ok]):,.0f}",
-                fmt_spread([r.get("peak_memory_mb") for r in ok], "{:,.0f}"),
-                fmt_spread([r.get("train_loss_final") for r in ok], "{:.3f}"),
-                fmt_spread([(r.get("eval") or {}).get("loss") for r in ok], "{:.4f}"),
-                fmt_spread([p for p in ppl if p is not None], "{:,.2f}"),
-                _metric_cell(ok),
+                cell(slot_ratios.get(name, []), "{:.2f}") + ("x" if slot_ratios.get(name) else ""),
+                cell([r.get("peak_memory_mb") for r in ok], "{:,.0f}"),
+                cell([r.get("train_loss_final") for r in ok], "{:.3f}"),
+                cell([(r.get("eval") or {}).get("loss") for r in ok], "{:.4f}"),
+                cell([p for p in ppl if p is not None], "{:,.2f}"),
+                _metric_cell(ok, compact),
                 _cut_cell(ok[0]),
             ]
         )
@@ -177,7 +193,7 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
-SCREEN_COLUMNS = ("strategy", "steps", "wall s", "CPU s", "tokens/s", "x random", "x random CPU", "padding", "peak MB",
+SCREEN_COLUMNS = ("strategy", "steps", "wall s", "CPU s", "x random", "x random CPU", "x random slots", "padding", "peak MB",
                   "eval loss", "task metric", "truncated / dropped")  # fmt: skip
 
 
@@ -187,7 +203,7 @@ def summary_table(records: Sequence[dict[str, Any]]) -> str:
 
     blocks = []
     for bench_id, recs in group_benches(records).items():
-        headers, rows = summary_rows(recs)
+        headers, rows = summary_rows(recs, compact=True)
         keep = [headers.index(c) for c in SCREEN_COLUMNS]
         first = recs[0]
         data = first.get("data") or {}
@@ -325,7 +341,8 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
     if loads and machine.get("cores") and max(loads) > 0.5 * machine["cores"]:
         load_note = (
             f" Load average during the runs: {min(loads):.1f}–{max(loads):.1f} on {machine['cores']} cores: other "
-            "processes were running, so absolute speeds are low and noisy; the ratios are measured side by side."
+            "processes were running: absolute speeds are low, and wall and CPU times vary from run to run (see the "
+            "spread across seeds); token slots and padding do not depend on the machine."
         )
     lengths = data.get("lengths") or {}
     trunc = data.get("truncation") or {}
@@ -341,8 +358,13 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             f"**Data:** {data.get('num_train', 0):,} training examples ({data.get('format') or 'text + label'}), "
             f"{s.get('epochs')} epoch(s), same examples for every strategy; tokens per example: mean "
             f"{lengths.get('mean', 0):.0f}, median {lengths.get('p50', 0):.0f}, p90 {lengths.get('p90', 0):.0f}, max "
-            f"{lengths.get('max', 0):,}. Truncated at max_length={trunc.get('max_length')}: "
-            f"{trunc.get('num_truncated', 0):,} examples ({trunc.get('truncated_tokens', 0):,} tokens), for every strategy alike.",
+            f"{lengths.get('max', 0):,}. "
+            + (
+                f"Truncated at max_length={trunc['max_length']}: {trunc.get('num_truncated', 0):,} examples "
+                f"({trunc.get('truncated_tokens', 0):,} tokens), for every strategy alike."
+                if trunc.get("max_length")
+                else "No truncation (no max_length)."
+            ),
             f"**Eval:** {data.get('num_eval')} held-out examples ({data.get('eval_source')}), plain padded batches of "
             f"{s.get('eval_batch_size')} for every strategy; {s.get('num_generations')} greedy generations of up to "
             f"{s.get('max_new_tokens')} tokens.",
@@ -357,11 +379,13 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
     doc.table(headers, rows)
     digests = {r.get("examples_digest") for r in ok}
     notes = [
-        "Speed ratios are against `random` of the same bench, seed by seed: `x random` is the tokens/s ratio (same "
-        "tokens, so also the wall-time speed-up), `x random CPU` the ratio of process CPU time (all threads), which "
-        "other processes on the machine disturb less. Several seeds: mean ± std (min–max with 2). Step times are "
-        "optimizer steps (forward, backward, update), without data loading; wall and CPU time cover everything "
-        "`trainer.train()` does.",
+        "Ratios are against `random` of the same bench, seed by seed (>1: better than random): `x random` is the "
+        "tokens/s ratio (same tokens, so also the wall-time speed-up), `x random CPU` the ratio of process CPU time "
+        "(all threads; with one thread it is the steadier figure on a shared machine, with several, threads that "
+        "wait for a descheduled sibling spin and inflate it), `x random slots` the ratio of token slots computed "
+        "(deterministic: the compute the batching saves, whatever else runs on the machine). Several seeds: mean "
+        "± std (min–max with 2). Step times are optimizer steps (forward, backward, update), without data loading; "
+        "wall and CPU time cover everything `trainer.train()` does.",
         "Padding is measured on the batches the model computed (`packed` rows hold no padding); token slots are "
         "rows × width summed over every batch.",
     ]
@@ -374,6 +398,10 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
         notes.append(
             f"**Warning:** runs trained on different data (digests {', '.join(sorted(map(str, digests)))})."
         )
+    for r in recs:
+        if r.get("status") == "skipped" and r["strategy"] not in {o["strategy"] for o in ok}:
+            notes.append(f"`{r['strategy']}` was skipped: {r.get('skip_reason')}.")
+            break
     initial = first.get("eval_initial") or {}
     if initial.get("loss") is not None:
         init_metric = initial.get("task_metric")

@@ -170,8 +170,8 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
 def _skip_reason(bench: BenchContext, base: str) -> str | None:
     if base == "packed" and bench.model.kind == "classifier":
         return (
-            "packed: not applicable to sequence classification (one label per example, but a packed row "
-            "is pooled into one vector)"
+            "not applicable to sequence classification: one label per example, but a packed row is pooled "
+            "into one vector"
         )
     return None
 
