@@ -70,3 +70,21 @@ def test_streamed_dataset_needs_max_steps(tmp_path) -> None:
         trainer = SmartBatchingTrainer(model=tiny_llama(), args=args, train_dataset=stream, strategy="packed",
                                        strategy_options={"capacity": 64})  # fmt: skip
         trainer.train()
+
+
+def test_max_length_strategy_pads_every_row_to_the_planned_width(tmp_path) -> None:
+    """'Longest Sequence' padding through the Trainer: rows padded to the dataset's longest, not the batch's."""
+    from transformers import TrainingArguments
+
+    from smart_batching.hf import SmartBatchingTrainer
+
+    rows = [list(range(1, n + 1)) for n in (5, 9, 30, 7, 12, 3, 8, 11)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[], save_strategy="no"
+    )
+    trainer = SmartBatchingTrainer(
+        model=tiny_llama(), args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
+        strategy="max_length", strategy_options={"batch_size": 4},
+    )  # fmt: skip
+    widths = {batch["input_ids"].shape[1] for batch in trainer.get_train_dataloader()}
+    assert widths == {30}

@@ -444,6 +444,13 @@ class SmartBatchingMixin:
         if self._sb_resume_state is not None:
             sampler.check_state_dict(self._sb_resume_state)
         self.sb_sampler = sampler
+        from smart_batching.collate import PaddingCollator
+
+        if self.sb_spec.name == "max_length" and isinstance(self.data_collator, PaddingCollator):
+            # "Longest Sequence" padding: every row padded to the planned width, not the batch's longest.
+            plan = sampler.plan
+            if len(plan):
+                self.data_collator.pad_to_multiple_of = int(plan.batch_width[0])
 
         dataset = model_input_dataset(self.train_dataset)
         if sampler.yields_segments:
