@@ -18,12 +18,11 @@ the network unless it is already in the HF cache).
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from smart_batching.errors import ConfigError, DataError, require
-from smart_batching.tokenizers import alias_asset_path, default_cache_dir, load_tokenizer
+from smart_batching.tokenizers import alias_asset_path, default_cache_dir, load_tokenizer, save_to_cache
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2": "generate",
@@ -145,17 +144,7 @@ def _load_smollm2(cls: Any, torch_dtype: Any, cache_dir: str | os.PathLike | Non
     model.hf_quantizer = None
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
-    # Write to a temporary sibling and rename, so a concurrent reader never sees half a cache entry.
-    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-    try:
-        model.save_pretrained(str(tmp))
-        if not cached.exists():
-            os.replace(tmp, cached)
-    except OSError:
-        pass  # an unwritable cache only costs the conversion next time
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    save_to_cache(model, cached)
     return model.to(torch_dtype)
 
 

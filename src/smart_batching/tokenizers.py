@@ -283,15 +283,23 @@ def _load_smollm2(cache_dir: str | os.PathLike | None) -> Any:
             pass
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _restore_smollm_pretokenizer(tok)
-    # Write to a temporary sibling and rename, so a concurrent reader never sees half a cache entry.
+    save_to_cache(tok, cached)
+    return tok
+
+
+def save_to_cache(obj: Any, cached: Path) -> None:
+    """``obj.save_pretrained`` into the cache folder ``cached``, atomically.
+
+    Writes to a temporary sibling and renames it, so a concurrent reader never sees half a cache
+    entry; an unwritable cache only costs the conversion next time.
+    """
     tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     try:
-        tok.save_pretrained(str(tmp))
+        obj.save_pretrained(str(tmp))
         if not cached.exists():
             os.replace(tmp, cached)
     except OSError:
-        pass  # an unwritable cache only costs the conversion next time
+        pass
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return tok
