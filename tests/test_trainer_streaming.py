@@ -88,3 +88,46 @@ def test_max_length_strategy_pads_every_row_to_the_planned_width(tmp_path) -> No
     )  # fmt: skip
     widths = {batch["input_ids"].shape[1] for batch in trainer.get_train_dataloader()}
     assert widths == {30}
+
+
+@pytest.mark.parametrize("num_shards", [3, 4])
+def test_trainer_on_two_processes_with_a_streamed_dataset(tmp_path, num_shards) -> None:
+    """2 real ranks (torchrun, gloo): every example once per epoch, equal steps, no gradient spill."""
+    import json
+    import math
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    num_examples, accum = 203, 2
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), str(root / "examples" / "ddp_streaming.py"), "--out", str(tmp_path),
+        "--num-examples", str(num_examples), "--num-shards", str(num_shards), "--accum", str(accum),
+        "--epochs", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["global_steps"] == ranks[1]["global_steps"]
+    for epoch in range(2):
+        # Every example exactly once per epoch across the two ranks, and both ranks had work.
+        seen = sorted(i for r in ranks for b in r["epochs"][epoch] for i in b)
+        assert seen == list(range(num_examples))
+        assert all(r["epochs"][epoch] for r in ranks)
+    # The second epoch is planned anew (set_epoch reached the stream).
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
+    # Real + null micro-batches are equal on both ranks and fill whole optimizer steps.
+    totals = {sum(len(e) for e in r["epochs"]) + r["null_batches"] for r in ranks}
+    assert len(totals) == 1
+    (total,) = totals
+    assert total % accum == 0 and ranks[0]["global_steps"] == total // accum
+    # No micro-batch's loss spilled into the next step: every logged loss stays near ln(vocab).
+    assert max(ranks[0]["losses"]) < 1.2 * math.log(256)

@@ -334,6 +334,8 @@ class SmartBatchingMixin:
         self.sb_streaming_buffer = int(streaming_buffer_size)
         self.sb_length_column = length_column
         self.sb_sampler: SmartBatchSampler | None = None
+        self.sb_stream: Any = None  # the StreamingBatchDataset of a streamed train_dataset
+        self.sb_even_steps: Any = None  # its lockstep wrapper on several processes
         self._sb_resume_state: dict[str, Any] | None = None
         self._sb_resume_checked = True
         self._sb_epoch = 0
@@ -483,31 +485,39 @@ class SmartBatchingMixin:
     def _streaming_dataloader(self) -> DataLoader:
         """A streamed ``train_dataset`` (HF ``IterableDataset`` or torch ``IterableDataset``): batches are
         planned online over a bounded buffer (:mod:`smart_batching.streaming`); ``streaming_buffer_size``
-        examples at a time (default 10,000). Needs ``max_steps`` (the stream has no length)."""
+        examples at a time (default 10,000). Needs ``max_steps`` (the stream has no length).
+
+        On several processes each rank plans its own shard of the stream (``split_dataset_by_node`` for an
+        HF stream, every ``world_size``-th example otherwise), and :class:`~smart_batching.even_steps.EvenSteps`
+        keeps the ranks in lockstep: a rank whose shard ends first trains null batches (every label -100,
+        no loss, no gradient) until the last rank's shard ends, so every example is used once and no
+        collective waits forever. The last optimizer step of a pass is filled up with null batches to
+        ``gradient_accumulation_steps`` micro-batches (the Trainer cannot shorten it: a stream has no
+        length), so no micro-batch's gradient spills into the next pass."""
         from smart_batching.streaming import StreamingBatchDataset
 
         args = self.args
         if args.max_steps is None or args.max_steps <= 0:
             raise ConfigError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
-        if args.world_size > 1:
-            raise ConfigError(
-                "streamed datasets on several processes give ranks unequal batch counts; train streamed data "
-                "on one process, or materialise it (Dataset) to get balanced distributed plans"
-            )
         dataset = StreamingBatchDataset(
             self.train_dataset,
             self.sb_spec,
             buffer_size=self.sb_streaming_buffer,
             seed=self.sb_seed,
-            rank=0,
-            world_size=1,
+            rank=args.process_index,
+            world_size=args.world_size,
             collate_fn=self.data_collator,
         )
         self.sb_sampler = None
-        # Not passed through accelerator.prepare: on one process there is nothing to shard, and its
-        # IterableDataset wrappers would re-batch our already collated batches. Trainer moves them
-        # to the device in _prepare_inputs.
-        return DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
+        self.sb_stream = dataset
+        # Not passed through accelerator.prepare: the dataset shards itself, and accelerate's
+        # IterableDataset wrappers would re-shard and re-batch our already collated batches. Trainer
+        # moves them to the device in _prepare_inputs.
+        loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
+        from smart_batching.even_steps import EvenSteps
+
+        self.sb_even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
+        return DataLoader(self.sb_even_steps, batch_size=None, num_workers=0)
 
     # -- loss -----------------------------------------------------------------------------------------
 
@@ -548,6 +558,9 @@ class SmartBatchingMixin:
         if not self._sb_resume_checked:
             self._check_resume_position(epoch, skipped)
         self._sb_epoch, self._sb_consumed = epoch, skipped
+        if self.sb_stream is not None:
+            # A plain DataLoader (or accelerate's skipping copy of it on resume) has no set_epoch.
+            self.sb_stream.set_epoch(epoch)
         if self.sb_sampler is not None and "steps_in_epoch" in kwargs:
             num_batches = self._local_batches(epoch)
             if num_batches != kwargs["steps_in_epoch"]:

@@ -1030,8 +1030,8 @@ class StreamingBatchDataset(IterableDataset):
       by worker or rank (another ``IterableDataset`` that reads ``get_worker_info``): its examples
       would be dealt twice and most of them lost.
 
-    Ranks may get different numbers of batches (their shards differ); join uneven ranks
-    (``torch.distributed.algorithms.Join``) or cap the steps.
+    Ranks may get different numbers of batches (their shards differ): wrap each rank's loader in
+    :class:`~smart_batching.even_steps.EvenSteps` to step in lockstep (the Trainer integration does).
 
     Args:
         source, spec_or_name, buffer_size, buffer_tokens, seed, length_fn, min_row_fill, reserve, progress,
