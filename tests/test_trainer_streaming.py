@@ -131,3 +131,47 @@ def test_trainer_on_two_processes_with_a_streamed_dataset(tmp_path, num_shards) 
     assert total % accum == 0 and ranks[0]["global_steps"] == total // accum
     # No micro-batch's loss spilled into the next step: every logged loss stays near ln(vocab).
     assert max(ranks[0]["losses"]) < 1.2 * math.log(256)
+
+
+def test_resume_on_a_stream_after_a_pass_ended_gives_identical_weights(tmp_path) -> None:
+    """Checkpoint in the second pass over the stream, resume: the same batches, the same final weights."""
+    import json
+
+    from transformers import TrainingArguments
+
+    from smart_batching.errors import ConfigError
+    from smart_batching.hf import SAMPLER_STATE_NAME, SmartBatchingTrainer
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(1, 128, rng.integers(5, 60)).tolist() for _ in range(40)]
+    stream = datasets.Dataset.from_dict({"input_ids": rows}).to_iterable_dataset(num_shards=2)
+
+    def make(max_steps=11, buffer=20):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=max_steps, learning_rate=1e-3,
+            report_to=[], save_strategy="steps", save_steps=8, disable_tqdm=True, seed=0,
+            gradient_accumulation_steps=2, lr_scheduler_type="constant",
+        )  # fmt: skip
+        return SmartBatchingTrainer(
+            model=tiny_llama(), args=args, train_dataset=stream, strategy="token_budget",
+            strategy_options={"max_tokens": 128}, streaming_buffer_size=buffer,
+        )  # fmt: skip
+
+    def weights(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    full = make()
+    full.train()
+    checkpoint = tmp_path / "out" / "checkpoint-8"
+    cursor = json.loads((checkpoint / SAMPLER_STATE_NAME).read_text())
+    assert cursor["kind"] == "stream" and cursor["epoch"] >= 1  # the checkpoint lies past the first pass
+
+    resumed = make()
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 11
+    assert (weights(resumed.model) - weights(full.model)).abs().max().item() <= 1e-6
+    assert (weights(tiny_llama()) - weights(full.model)).abs().max().item() > 1e-3
+
+    with pytest.raises(ConfigError, match="buffer_size"):
+        make(buffer=10).train(resume_from_checkpoint=str(checkpoint))

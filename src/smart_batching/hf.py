@@ -340,6 +340,7 @@ class SmartBatchingMixin:
         self._sb_resume_checked = True
         self._sb_epoch = 0
         self._sb_consumed = 0
+        self._sb_stream_offset = 0  # stream pass = Trainer epoch + this, after a resume
 
         if replace_collator:
             pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
@@ -548,6 +549,8 @@ class SmartBatchingMixin:
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         # transformers 5.x calls _run_epoch with keywords only.
+        if self.sb_stream is not None:
+            return self._run_stream_epoch(*args, **kwargs)
         epoch = kwargs["epoch"]
         resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
         skipped = (
@@ -558,9 +561,6 @@ class SmartBatchingMixin:
         if not self._sb_resume_checked:
             self._check_resume_position(epoch, skipped)
         self._sb_epoch, self._sb_consumed = epoch, skipped
-        if self.sb_stream is not None:
-            # A plain DataLoader (or accelerate's skipping copy of it on resume) has no set_epoch.
-            self.sb_stream.set_epoch(epoch)
         if self.sb_sampler is not None and "steps_in_epoch" in kwargs:
             num_batches = self._local_batches(epoch)
             if num_batches != kwargs["steps_in_epoch"]:
@@ -575,6 +575,69 @@ class SmartBatchingMixin:
                 kwargs["steps_in_epoch"] = num_batches
                 kwargs["num_update_steps_per_epoch"] = max(math.ceil(num_batches / ga), 1)
         return super()._run_epoch(*args, **kwargs)
+
+    def _run_stream_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """One pass over a streamed ``train_dataset``.
+
+        A stream has no length, so Trainer counts every pass as ``max_steps`` long and would resume by
+        skipping ``global_step × gradient_accumulation_steps`` batches of pass 0, the wrong place once a
+        pass has ended. The checkpoint's stream cursor (pass, micro-batches consumed) says where to go on.
+        """
+        epoch = kwargs["epoch"]
+        skipped = 0
+        if not self._sb_resume_checked:
+            self._sb_resume_checked = True
+            state = self._sb_resume_state
+            if state is not None and not self.args.ignore_data_skip:
+                self._check_stream_state(state)
+                self._sb_stream_offset = int(state["epoch"]) - epoch
+                skipped = kwargs["steps_trained_in_current_epoch"] = int(state["batches_yielded"])
+            elif kwargs.get("resume_from_checkpoint") is not None and not self.args.ignore_data_skip:
+                logger.warning(
+                    "the checkpoint has no stream cursor (%s): Trainer skips %d batches of the first pass",
+                    SAMPLER_STATE_NAME,
+                    kwargs.get("steps_trained_in_current_epoch", 0),
+                )
+                skipped = kwargs.get("steps_trained_in_current_epoch", 0)
+        self._sb_epoch, self._sb_consumed = epoch + self._sb_stream_offset, skipped
+        # A plain DataLoader (or accelerate's skipping copy of it on resume) has no set_epoch.
+        self.sb_stream.set_epoch(self._sb_epoch)
+        return super()._run_epoch(*args, **kwargs)
+
+    def _stream_state(self) -> dict[str, Any]:
+        return {
+            "kind": "stream",
+            "strategy": self.sb_spec.name,
+            "spec": repr(self.sb_spec),
+            "seed": self.sb_seed,
+            "buffer_size": self.sb_streaming_buffer,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "num_processes": self.accelerator.num_processes,
+            "epoch": self._sb_epoch,
+            "batches_yielded": self._sb_consumed,
+        }
+
+    def _check_stream_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != "stream":
+            raise ConfigError(
+                "the checkpoint was trained on a map-style dataset and this run streams its train_dataset; resume "
+                "with the original dataset, or set ignore_data_skip=True to restart the data order"
+            )
+        now = self._stream_state()
+        for key in (
+            "num_processes",
+            "strategy",
+            "spec",
+            "seed",
+            "buffer_size",
+            "gradient_accumulation_steps",
+        ):
+            if state.get(key) != now[key]:
+                raise ConfigError(
+                    f"the checkpoint's stream was planned with {key}={state.get(key)!r} and this run has "
+                    f"{now[key]!r}: the stream would be batched differently. Resume with the original setting, "
+                    "or set ignore_data_skip=True to restart the data order"
+                )
 
     def _local_batches(self, epoch: int) -> int:
         """Batches this process gets in ``epoch``: accelerate deals whole batches round-robin and, with
@@ -611,6 +674,8 @@ class SmartBatchingMixin:
 
         ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it.
         """
+        if self.sb_stream is not None:
+            return self._stream_state()
         if self.sb_sampler is None:
             return None
         state = self.sb_sampler.state_dict()
