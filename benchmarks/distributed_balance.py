@@ -1,29 +1,68 @@
 """Per-step balance across ranks: ours against HF group_by_length, HF batch_rebalance and round-robin packing.
 
-For each method, every rank's micro-batches for every optimizer step are computed exactly as the
-method would hand them out (the samplers are instantiated per rank, no processes needed), and the cost
-of a rank at a step is its real tokens. Reported per method:
+Two measurements per method, side by side in one run:
 
-- ``max_step_imbalance``: max over steps of (max rank cost / mean rank cost); 1.0 is perfect.
-- ``idle_fraction``: share of rank-time spent waiting for the slowest rank at each all-reduce, if step
-  time is proportional to tokens.
-- ``examples_seen`` / ``examples_total``: what the method used in one epoch (duplicates padded in by
-  a sampler count as seen; drops show as fewer).
+1. **Plan** (no processes): every rank's micro-batches for every optimizer step, computed exactly as
+   the method would hand them out (the samplers are instantiated per rank); the cost of a rank at a
+   step is its real tokens.
 
-    python benchmarks/distributed_balance.py [--world-size 2] [--accum 1] [--batch-size 8] [--json]
+   - ``max_step_imbalance``: max over steps of (max rank cost / mean rank cost); 1.0 is perfect.
+   - ``idle_fraction``: share of rank-time spent waiting for the slowest rank at each all-reduce, if
+     step time is proportional to tokens.
+   - ``examples_seen`` / ``examples_total``: what the method used in one epoch (duplicates padded in
+     by a sampler count as seen; drops show as fewer).
+
+2. **Wall** (``--no-wall`` skips it): a real 2-process (``--wall-world-size``) gloo DDP training loop on
+   CPU, one thread per rank, of a tiny Llama built from its config (hidden 64, 2 layers, vocabulary
+   1,024: token ids are random, only the lengths matter), on the first ``--wall-steps`` optimizer steps
+   of each method's plan (the first one a warm-up, not timed). Padded methods are collated by
+   :class:`~smart_batching.collate.PaddingCollator`, packing methods by
+   :class:`~smart_batching.collate.PackingCollator` with exact packed attention; the loss is the token
+   sum divided by the global target tokens of the step. A DDP communication hook stamps the moment a
+   rank's gradients are ready, so each step splits into own compute and time waiting in the gradient
+   all-reduce.
+
+   - ``wall_s_per_step`` / ``wall_s_total``: mean and total wall time of the timed steps (rank 0).
+   - ``wall_compute_s_per_step``: mean own compute (forward, backward, optimizer) over ranks and steps.
+   - ``wall_idle_fraction``: measured idle, Σ (slowest rank's compute − own compute) / (ranks × Σ
+     slowest compute): the share of rank-time lost to imbalance.
+   - ``wall_wait_fraction``: measured time inside the all-reduce after own gradients were ready, over
+     step time (idle plus the transfer itself).
+   - ``wall_tokens_per_s``: real tokens of the timed steps, all ranks, per second of wall time.
+
+Usage::
+
+    python benchmarks/distributed_balance.py                      # both, table (about 2 min on 2 cores)
+    python benchmarks/distributed_balance.py --json               # one JSON record per method per line
+    python benchmarks/distributed_balance.py --no-wall --world-size 4
+    python benchmarks/distributed_balance.py --wall-steps 20 --datasets gsm8k
 
 Lengths: GSM8K and LIMA from ../shared/data tokenised with the SmolLM2 tokenizer, or (when the data is
 absent) a seeded lognormal sample.
+
+Reading the wall columns: they are a handful of steps of each plan (a different sample per method) on
+a shared CPU, so a rank descheduled for a moment shows as idle; compare methods within one run. With
+this tiny model (hidden 64) attention, not tokens, dominates a long packed row: 4,096 tokens in 2
+examples cost about twice 4,096 tokens in 13, so token-balanced packed steps still wait; ``--cost
+attention`` balances Σ length² instead. For real model widths the token cost dominates up to a few
+thousand tokens per example.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import os
+import platform
+import socket
 import sys
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +70,10 @@ import smart_batching as sb
 from smart_batching.distributed import distribute
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+WALL_MODEL = dict(
+    vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=16384, use_cache=False,
+)  # fmt: skip
 
 
 def load_lengths(name: str) -> np.ndarray:
@@ -69,7 +112,7 @@ def summarize(name: str, costs: np.ndarray, seen: int, total: int, seconds: floa
 
 
 def hf_group_by_length(lengths, world, bs, accum, seed=0):
-    import torch
+    """HF ``group_by_length`` as accelerate shards it: ``DistributedLengthGroupedSampler`` per rank."""
     from transformers.trainer_pt_utils import DistributedLengthGroupedSampler
 
     t = time.perf_counter()
@@ -81,7 +124,6 @@ def hf_group_by_length(lengths, world, bs, accum, seed=0):
         s.set_epoch(0)
         idx = list(iter(s))
         ranks.append([np.array(idx[i : i + bs]) for i in range(0, len(idx), bs)])
-    del torch
     return ranks, time.perf_counter() - t
 
 
@@ -114,10 +156,10 @@ def round_robin_packing(lengths, world, capacity, accum):
     return ranks, time.perf_counter() - t
 
 
-def ours(lengths, world, accum, strategy, **options):
+def ours(lengths, world, accum, strategy, cost="tokens", **options):
     t = time.perf_counter()
     plan = sb.plan_batches(lengths, strategy, overlong="truncate", **options)
-    d = distribute(plan, world, accum_steps=accum)
+    d = distribute(plan, world, accum_steps=accum, cost=cost)
     secs = time.perf_counter() - t
     ranks = [
         [d.unit_examples(u) if u >= 0 else np.zeros(0, np.int64) for u in d.rank_units(r)]
@@ -128,6 +170,139 @@ def ours(lengths, world, accum, strategy, **options):
     return ranks, secs, kept
 
 
+def methods_for(
+    lengths: np.ndarray, world: int, accum: int, bs: int, capacity: int, cost: str = "tokens"
+) -> list[tuple]:
+    """(name, per-rank micro-batches, plan seconds, kept lengths, packed) for every method."""
+    max_tokens = bs * int(math.ceil(np.quantile(lengths, 0.95) / 64) * 64)
+    out = []
+    ranks, secs = hf_group_by_length(lengths, world, bs, accum)
+    out.append(("hf_group_by_length", ranks, secs, lengths, False))
+    ranks, secs = hf_batch_rebalance(lengths, world, bs, accum)
+    out.append(("hf_batch_rebalance", ranks, secs, lengths, False))
+    ranks, secs = round_robin_packing(lengths, world, capacity, accum)
+    out.append(("round_robin_packing", ranks, secs, np.minimum(lengths, capacity), True))
+    for strat, opts in (
+        ("group_by_length", dict(batch_size=bs)),
+        ("token_budget", dict(max_tokens=max_tokens)),
+        ("packed", dict(capacity=capacity)),
+    ):
+        ranks, secs, kept = ours(lengths, world, accum, strat, cost=cost, **opts)
+        out.append((f"ours_{strat}", ranks, secs, kept, strat == "packed"))
+    return out
+
+
+# -- wall time: a real multi-process DDP run ----------------------------------------------------------
+
+
+def _token_ids(i: int, kept: dict[str, int]) -> list[int]:
+    """Random token ids (seeded by the example) of the example's kept length."""
+    g = np.random.default_rng(int(i))
+    return g.integers(1, WALL_MODEL["vocab_size"], max(int(kept[str(i)]), 1)).tolist()
+
+
+def _wall_worker(rank: int, world: int, init: str, jobs: list[dict], accum: int, out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from smart_batching.attention import enable_packed_attention
+    from smart_batching.collate import PackingCollator, PaddingCollator
+    from smart_batching.loss import token_loss_sum
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+    def stamped_allreduce(marks: list[float], bucket):
+        marks.append(time.perf_counter())  # this rank's gradients (of this bucket) are ready
+        return default_hooks.allreduce_hook(None, bucket)
+
+    results = []
+    for job in jobs:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**WALL_MODEL))
+        enable_packed_attention(model)
+        marks: list[float] = []
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(marks, stamped_allreduce)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        collate = PackingCollator(return_seq_idx=False) if job["packed"] else PaddingCollator(0)
+        kept = job["lengths"]
+
+        rows: dict[str, list[float]] = {"compute": [], "wait": [], "step": [], "tokens": []}
+        for s in range(job["num_steps"]):
+            micro = job["batches"][rank][s * accum : (s + 1) * accum]
+            every = [i for r in job["batches"] for b in r[s * accum : (s + 1) * accum] for i in b]
+            targets = max(sum(max(int(kept[str(i)]) - 1, 0) for i in every), 1)  # Σ (len - 1), all ranks
+            marks.clear()
+            t0 = time.perf_counter()
+            for j, ids in enumerate(micro):
+                with ddp.no_sync() if j < len(micro) - 1 else nullcontext():
+                    batch = collate([{"input_ids": _token_ids(i, kept)} for i in (ids or [0])])
+                    labels = batch.pop("labels")
+                    logits = ddp(**batch).logits
+                    scale = (world / targets) if ids else 0.0  # an empty slot trains nothing
+                    (token_loss_sum(logits, labels) * scale).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            ready = marks[-1] if marks else t1
+            rows["compute"].append((ready - t0) + (t2 - t1))
+            rows["wait"].append(t1 - ready)
+            rows["step"].append(t2 - t0)
+            rows["tokens"].append(sum(int(kept[str(i)]) for ids in micro for i in ids))
+        results.append(rows)
+        del ddp  # DDP's reducer goes before the process group, or gloo threads can abort at exit
+    gc.collect()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def wall_run(methods: list[tuple], world: int, accum: int, num_steps: int) -> dict[str, dict]:
+    """Train each method's first ``num_steps + 1`` steps on ``world`` gloo processes; wall metrics by name."""
+    import torch.multiprocessing as mp
+
+    jobs = []
+    for name, ranks, _, kept, packed in methods:
+        steps = min(num_steps + 1, min(len(b) for b in ranks) // accum)
+        batches = [[[int(i) for i in b] for b in r[: steps * accum]] for r in ranks]
+        used = {i for r in batches for b in r for i in b} | {0}
+        jobs.append(
+            {"name": name, "packed": packed, "num_steps": steps, "batches": batches,
+             "lengths": {str(i): int(kept[i]) for i in used}}
+        )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "wall.json")
+        with socket.socket() as sock:  # a free port for the rendezvous
+            sock.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        mp.spawn(_wall_worker, args=(world, init, jobs, accum, out), nprocs=world)
+        gathered = json.loads(Path(out).read_text())
+    metrics = {}
+    for k, job in enumerate(jobs):
+        per = {key: np.array([gathered[r][k][key] for r in range(world)])[:, 1:] for key in gathered[0][k]}
+        slowest = per["compute"].max(axis=0)  # (steps,)
+        total = float(per["step"][0].sum())
+        metrics[job["name"]] = {
+            "wall_world_size": world,
+            "wall_steps": int(per["step"].shape[1]),
+            "wall_s_per_step": float(per["step"][0].mean()) if total else 0.0,
+            "wall_s_total": total,
+            "wall_compute_s_per_step": float(per["compute"].mean()),
+            "wall_idle_fraction": float((slowest - per["compute"]).sum() / max(world * slowest.sum(), 1e-12)),
+            "wall_wait_fraction": float(per["wait"].sum() / max(per["step"].sum(), 1e-12)),
+            "wall_tokens_per_s": float(per["tokens"].sum() / max(total, 1e-12)),
+        }
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
@@ -135,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=4096)
     ap.add_argument("--datasets", default="gsm8k,lima")
+    ap.add_argument("--cost", default="tokens", choices=("tokens", "attention", "slots"),
+                    help="what ours balances (the imbalance columns always measure real tokens)")  # fmt: skip
+    ap.add_argument("--wall", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time a real multi-process DDP run per method (--no-wall skips it)")  # fmt: skip
+    ap.add_argument(
+        "--wall-steps", type=int, default=8, help="timed optimizer steps per method (after 1 warm-up)"
+    )
+    ap.add_argument("--wall-world-size", type=int, default=2, help="processes of the wall-time run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     world, accum, bs = args.world_size, args.accum, args.batch_size
@@ -146,43 +329,52 @@ def main(argv: list[str] | None = None) -> int:
             lengths = np.clip(np.random.default_rng(0).lognormal(5, 0.6, 7000), 8, 4000).astype(np.int64)
             name = f"{name}(lognormal: shared data absent)"
         n = lengths.shape[0]
-        max_tokens = bs * int(math.ceil(np.quantile(lengths, 0.95) / 64) * 64)
-        methods = []
-        ranks, secs = hf_group_by_length(lengths, world, bs, accum)
-        methods.append(("hf_group_by_length", ranks, secs, lengths))
-        ranks, secs = hf_batch_rebalance(lengths, world, bs, accum)
-        methods.append(("hf_batch_rebalance", ranks, secs, lengths))
-        ranks, secs = round_robin_packing(lengths, world, args.capacity, accum)
-        methods.append(("round_robin_packing", ranks, secs, np.minimum(lengths, args.capacity)))
-        for strat, opts in (
-            ("group_by_length", dict(batch_size=bs)),
-            ("token_budget", dict(max_tokens=max_tokens)),
-            ("packed", dict(capacity=args.capacity)),
-        ):
-            ranks, secs, kept = ours(lengths, world, accum, strat, **opts)
-            methods.append((f"ours_{strat}", ranks, secs, kept))
-        for mname, ranks, secs, kept in methods:
+        methods = methods_for(lengths, world, accum, bs, args.capacity, args.cost)
+        wall: dict[str, dict] = {}
+        if args.wall:
+            same = args.wall_world_size == world
+            wall_methods = (
+                methods
+                if same
+                else methods_for(lengths, args.wall_world_size, accum, bs, args.capacity, args.cost)
+            )
+            wall = wall_run(wall_methods, args.wall_world_size, accum, args.wall_steps)
+        for mname, ranks, secs, kept, _ in methods:
             costs = step_costs(ranks, kept, accum)
             steps = costs.shape[0]
             seen = sum(len(b) for r in ranks for b in r[: steps * accum])
             rec = summarize(mname, costs, seen, n, secs, world)
-            rec["dataset"] = name
-            rec["accum_steps"] = accum
+            rec.update(dataset=name, accum_steps=accum, batch_size=bs, capacity=args.capacity, cost=args.cost)
+            rec.update(wall.get(mname, {}))
+            rec["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs"
             records.append(rec)
     if args.json:
         for rec in records:
             print(json.dumps(rec))
         return 0
-    head = f"{'dataset':<8} {'method':<22} {'steps':>6} {'max imb':>8} {'p99 imb':>8} {'idle %':>7} {'seen/total':>12} {'plan s':>7}"
     print(f"world_size={world} accum={accum} batch_size={bs} capacity={args.capacity} (cost = real tokens)")
+    head = (
+        f"{'dataset':<8} {'method':<20} {'steps':>5} {'max imb':>8} {'p99 imb':>8} {'idle %':>7} "
+        f"{'seen/total':>11} {'plan s':>7}"
+    )
+    if args.wall:
+        head += f" | {'s/step':>7} {'total s':>8} {'compute':>8} {'idle %':>7} {'wait %':>7} {'tok/s':>7}"
+        print(f"wall: {args.wall_world_size} gloo processes, {args.wall_steps} timed steps per method")
     print(head)
     print("-" * len(head))
     for r in records:
-        print(
-            f"{r['dataset'][:8]:<8} {r['strategy']:<22} {r['num_steps']:>6} {r['max_step_imbalance']:>8.3f} "
+        line = (
+            f"{r['dataset'][:8]:<8} {r['strategy']:<20} {r['num_steps']:>5} {r['max_step_imbalance']:>8.3f} "
             f"{r['p99_step_imbalance']:>8.3f} {100 * r['idle_fraction']:>7.2f} "
-            f"{r['examples_seen']:>5}/{r['examples_total']:<6} {r['plan_seconds']:>7.3f}"
+            f"{r['examples_seen']:>5}/{r['examples_total']:<5} {r['plan_seconds']:>7.3f}"
         )
+        if "wall_s_total" in r:
+            line += (
+                f" | {r['wall_s_per_step']:>7.3f} {r['wall_s_total']:>8.2f} {r['wall_compute_s_per_step']:>8.3f} "
+                f"{100 * r['wall_idle_fraction']:>7.2f} {100 * r['wall_wait_fraction']:>7.2f} "
+                f"{r['wall_tokens_per_s']:>7.0f}"
+            )
+        print(line)
     return 0
 
 

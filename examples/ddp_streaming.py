@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
+    from smart_batching.distributed import shutdown
     from smart_batching.hf import SmartBatchingTrainer, make_collator
 
     vocab = 256
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(json.dumps({"strategy": args.strategy, "world_size": training_args.world_size,
                           "steps": result.global_step, "train_loss": result.training_loss}))  # fmt: skip
+    # Drop the DDP model, then the process group: left to interpreter exit, gloo can abort the process.
+    del trainer
+    shutdown()
     return 0
 
 

@@ -3,6 +3,14 @@
 Launch with torchrun (or ``accelerate launch``)::
 
     torchrun --nproc_per_node 2 examples/ddp_trainer.py --strategy packed --out runs/ddp
+    torchrun --nproc_per_node 2 examples/ddp_trainer.py --strategy packed --fsdp   # FSDP2 (GPUs)
+
+``--fsdp`` asks the Trainer for FSDP2 (``fsdp_config={"version": 2, ...}``). accelerate 1.15 enables
+FSDP only on GPU-like devices (CUDA, XPU, NPU, HPU, ...): on CPU it drops the plugin and wraps the model
+in DDP, which this script reports (``"wrapper"`` in the records). FSDP2 itself runs on CPU with gloo
+(``tests/test_fsdp.py`` calls ``fully_shard`` directly). ``--zero-stage N`` trains with DeepSpeed ZeRO
+stage N through the Trainer; DeepSpeed is not a dependency of this project (install it yourself; on CPU
+it runs with gloo, see ``tests/test_fsdp.py``).
 
 Every rank computes the same balanced plan from the same lengths and seed and trains on its own share:
 equal micro-batch counts on every rank, every example exactly once per epoch, and real tokens per
@@ -62,17 +70,34 @@ class RecordingCollator:
         return self.inner(features)
 
 
+def _deepspeed_config(stage: int) -> dict:
+    # The Trainer's optimizer (AdamW from torch) is not one DeepSpeed lists for ZeRO: allow it.
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategy", default="packed", choices=sorted(STRATEGY_OPTIONS))
     ap.add_argument("--num-examples", type=int, default=240)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--out", default="runs/ddp_trainer")
+    ap.add_argument(
+        "--fsdp", action="store_true", help="shard the model with FSDP2 (accelerate) instead of DDP"
+    )
+    ap.add_argument(
+        "--zero-stage", type=int, choices=(0, 1, 2, 3), help="train with DeepSpeed ZeRO (needs deepspeed)"
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+    from smart_batching.distributed import shutdown
     from smart_batching.hf import SmartBatchingTrainer, make_collator
 
     vocab = 256
@@ -103,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=1,
         seed=0,
         disable_tqdm=True,
+        # FSDP2 through accelerate: every decoder layer and the root sharded over the ranks.
+        fsdp="full_shard auto_wrap" if args.fsdp else "",
+        deepspeed=None if args.zero_stage is None else _deepspeed_config(args.zero_stage),
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+        if args.fsdp
+        else None,
     )
     collator = RecordingCollator(make_collator(args.strategy, pad_token_id=0))
     trainer = SmartBatchingTrainer(
@@ -115,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = trainer.train()
     rank = training_args.process_index
+    wrapper = type(trainer.model_wrapped).__name__  # DistributedDataParallel, or the FSDP2 module
+    if args.fsdp and not trainer.is_fsdp_enabled and rank == 0:
+        # accelerate (1.15) turns FSDP on for GPU-like devices only; on CPU it keeps DDP.
+        print(
+            f"--fsdp: accelerate did not enable FSDP on {training_args.device.type}; trained with {wrapper}"
+        )
     per_step = [sum(collator.tokens[i : i + args.accum]) for i in range(0, len(collator.tokens), args.accum)]
     out.mkdir(parents=True, exist_ok=True)
     record = {
@@ -125,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_step": per_step,
         "global_steps": result.global_step,
         "train_loss": result.training_loss,
+        "wrapper": wrapper,
+        "fsdp_enabled": bool(trainer.is_fsdp_enabled),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if training_args.world_size > 1:
@@ -136,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             imbalance = (table.max(dim=0).values / table.mean(dim=0)).max().item()
             print(json.dumps({"strategy": args.strategy, "world_size": training_args.world_size,
                               "steps": int(table.shape[1]), "max_step_imbalance": imbalance,
-                              "train_loss": result.training_loss}))  # fmt: skip
+                              "train_loss": result.training_loss, "wrapper": wrapper,
+                              "fsdp_enabled": bool(trainer.is_fsdp_enabled)}))  # fmt: skip
+    # Drop the DDP model, then the process group: left to interpreter exit, gloo can abort the process.
+    del trainer
+    shutdown()
     return 0
 
 

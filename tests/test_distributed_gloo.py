@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -117,6 +118,9 @@ def _worker(rank: int, world_size: int, store: str, out: str) -> None:
         if p.grad is not None
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    # Release DDP's reducer before the process group: left to interpreter exit, its gloo threads can abort.
+    del ddp, model
+    gc.collect()
     dist.destroy_process_group()
 
 

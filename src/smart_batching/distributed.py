@@ -16,13 +16,24 @@ all-reduce, so the micro-batches of one step are chosen together:
    least-loaded rank that can take them), then single examples are moved or swapped between its
    heaviest and lightest rank, always within the strategy's limits (capacity, token budget, batch size
    plus one eighth). Only those steps loop in Python.
-5. The order of steps is shuffled (seeded): every rank computes the same plan with no communication.
+5. Steps still more than 1 % uneven (a long example that fills a token budget alone, a tail of a few
+   similar examples) are dissolved together with their neighbours in cost order and the finest steps,
+   and formed again so that every rank of a step reaches the same cost
+   (:func:`~smart_batching._step_balance.reform_uneven`): still every example once, no empty
+   micro-batch, the same step count on every rank: as many steps as before, or (``max_extra_steps``) a
+   few more where long examples that fill a token budget alone leave their steps light (LIMA, token
+   budget 8192: 49 steps become 52 on 2 ranks).
+6. The order of steps is shuffled (seeded): every rank computes the same plan with no communication.
 
-Measured (``benchmarks/distributed_balance.py``; SmolLM2 lengths, 2 ranks): max over steps of
-max/mean rank tokens 1.003 for packing on GSM8K and on LIMA, against 1.76 and 1.70 for HF
-``group_by_length`` and 1.93 / 1.21 for round-robin packing. Fixed-size batches and token budgets
-keep 99 % of steps within 1 % on GSM8K; a few tail steps of heavy-tailed LIMA stay 2-20 % uneven, as
-single long examples cannot be split across ranks.
+Measured (``benchmarks/distributed_balance.py``; SmolLM2 lengths, batch size 8, 2 and 4 ranks): max over
+steps of max/mean rank tokens at most 1.013 for every strategy on GSM8K and on LIMA, against 1.2-1.8
+for HF ``group_by_length`` and 1.1-1.9 for round-robin packing. Planning 1M examples on 8 ranks takes
+under 0.1 s, about 5 s for a token budget whose longest examples fill a micro-batch alone.
+
+When it cannot be even: a step whose costliest example costs more than the mean rank cost of that
+step (``max/mean ≥ world_size · c_max / Σ c``), e.g. one example longer than all the others together,
+or fewer examples than micro-batches in a step (an empty slot, as above). On 8 ranks with a token
+budget under twice LIMA's longest examples, steps of such lone examples stay up to 5 % uneven.
 
 Topology is an explicit value, :class:`World`, read from ``torch.distributed`` in :meth:`World.detect`
 only; everything else is a pure function of (plan, world, accum_steps, cost, seed).
@@ -36,11 +47,21 @@ from functools import cached_property
 
 import numpy as np
 
+from smart_batching._step_balance import (
+    BALANCE_TOLERANCE,
+    REFORM_TOLERANCE,
+    Reformer,
+    UnitLimits,
+    balance_step,
+    halve_units,
+    lpt_pieces,
+    reform_uneven,
+    repartition_step,
+)
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
 
 COSTS = ("tokens", "attention", "slots")
-BALANCE_TOLERANCE = 1.005  # steps more uneven than this get segments moved between ranks
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,26 @@ class World:
         except ImportError:  # pragma: no cover - torch is an optional dependency here
             pass
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def shutdown() -> None:
+    """Destroy the default ``torch.distributed`` process group, if one is up; call it at the end of a
+    multi-process script, after the last collective and after dropping the DDP/FSDP model (or trainer).
+
+    A gloo process group left to interpreter exit can abort the process (``terminate called without an
+    active exception``, SIGABRT; pytorch/pytorch#190489): its worker threads still hold tensors when
+    Python tears down. A DDP model keeps the group alive through its reducer, so it must go first;
+    garbage is collected here so that dropped models are really gone.
+    """
+    import gc
+
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is an optional dependency here
+        return
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def unit_costs(plan: BatchPlan, cost: str = "tokens") -> np.ndarray:
@@ -157,169 +198,6 @@ class DistributedPlan:
         return float(1.0 - busy / total) if total else 0.0
 
 
-def _halve_units(units: list[list[int]], seg_cost: np.ndarray, group: int) -> list[list[int]] | None:
-    """Split the costliest units with two or more segments in two until the count is a multiple of
-    ``group``; empty units pad the rest when nothing is left to split (fewer segments than slots)."""
-    units = [u for u in units if u]
-    while len(units) % group:
-        splittable = [i for i, u in enumerate(units) if len(u) > 1]
-        if not splittable:
-            units += [[] for _ in range((-len(units)) % group)]
-            break
-        i = max(splittable, key=lambda k: int(seg_cost[units[k]].sum()))
-        unit = units.pop(i)
-        cum = np.cumsum(seg_cost[unit])
-        cut = int(np.argmin(np.abs(cum[:-1] - cum[-1] / 2))) + 1
-        units += [unit[:cut], unit[cut:]]
-    return units
-
-
-def _lpt_pieces(
-    segs: np.ndarray, seg_cost: np.ndarray, seg_len: np.ndarray, num_pieces: int, limits: _UnitLimits
-) -> list[list[int]] | None:
-    """Deal segments, costliest first, each to the cheapest piece that can take it; None if one fits nowhere."""
-    pieces: list[list[int]] = [[] for _ in range(num_pieces)]
-    load = np.zeros(num_pieces, dtype=np.int64)
-    for seg in segs[np.argsort(-seg_cost[segs], kind="stable")].tolist():
-        for p in np.argsort(load, kind="stable").tolist():
-            if limits.fits(seg_len[pieces[p] + [seg]]):
-                pieces[p].append(seg)
-                load[p] += int(seg_cost[seg])
-                break
-        else:
-            return None
-    return pieces
-
-
-@dataclass(frozen=True)
-class _UnitLimits:
-    """What a micro-batch may hold after balancing, by strategy."""
-
-    capacity: int | None  # packed: tokens per row
-    rows_per_unit: int  # packed: rows per micro-batch
-    max_tokens: int | None  # token_budget: rows × longest
-    max_rows: int | None  # fixed-size strategies: examples per micro-batch (a little slack allowed)
-
-    @classmethod
-    def of(cls, plan: BatchPlan) -> _UnitLimits:
-        spec = plan.spec
-        if plan.capacity is not None:
-            return cls(plan.capacity, getattr(spec, "rows_per_batch", 1), None, None)
-        if plan.strategy == "token_budget":
-            return cls(None, 1, spec.max_tokens, None)
-        bs = getattr(spec, "batch_size", None)
-        return cls(None, 1, None, None if bs is None else bs + max(1, bs // 8))
-
-    def fits(self, lengths: np.ndarray) -> bool:
-        """Whether a micro-batch of segments with these token lengths respects the limits."""
-        if self.capacity is not None:
-            return int(lengths.sum()) <= self.capacity * self.rows_per_unit
-        if self.max_tokens is not None:
-            return lengths.size * int(lengths.max(initial=0)) <= self.max_tokens
-        if self.max_rows is not None:
-            return lengths.size <= self.max_rows
-        return True
-
-
-def _step_imbalance(step: np.ndarray, members: dict[int, list[int]], seg_cost: np.ndarray) -> float:
-    rc = [sum(int(seg_cost[members[u]].sum()) for u in step[r] if u >= 0) for r in range(step.shape[0])]
-    mean = sum(rc) / len(rc)
-    return max(rc) / mean if mean else 1.0
-
-
-def _repartition_step(
-    step: np.ndarray,
-    members: dict[int, list[int]],
-    seg_cost: np.ndarray,
-    seg_len: np.ndarray,
-    limits: _UnitLimits,
-) -> bool:
-    """Pool the step's segments and deal them again, costliest first, to the least-loaded rank (and its
-    least-loaded micro-batch) that can take them. Kept only when it is more even and leaves no
-    micro-batch empty. Returns whether it was kept."""
-    units_of = [[int(u) for u in step[r] if u >= 0] for r in range(step.shape[0])]
-    if any(not units for units in units_of):
-        return False
-    pool = np.concatenate([np.asarray(members[u], dtype=np.int64) for units in units_of for u in units])
-    pool = pool[np.argsort(-seg_cost[pool], kind="stable")]
-    new: dict[int, list[int]] = {u: [] for units in units_of for u in units}
-    unit_load = dict.fromkeys(new, 0)
-    rank_load = [0] * len(units_of)
-    for seg in pool.tolist():
-        placed = False
-        for r in sorted(range(len(units_of)), key=rank_load.__getitem__):
-            for u in sorted(units_of[r], key=unit_load.__getitem__):
-                if limits.fits(seg_len[new[u] + [seg]]):
-                    new[u].append(seg)
-                    unit_load[u] += int(seg_cost[seg])
-                    rank_load[r] += int(seg_cost[seg])
-                    placed = True
-                    break
-            if placed:
-                break
-        if not placed:
-            return False
-    if any(not segs for segs in new.values()):
-        return False
-    if _step_imbalance(step, new, seg_cost) >= _step_imbalance(step, members, seg_cost):
-        return False
-    members.update(new)
-    return True
-
-
-def _balance_step(
-    step: np.ndarray,
-    members: dict[int, list[int]],
-    seg_cost: np.ndarray,
-    seg_len: np.ndarray,
-    limits: _UnitLimits,
-    rounds: int,
-) -> bool:
-    """Even out one step in place: move a segment from the heaviest rank to the lightest, or swap the
-    pair that best halves the gap, keeping every micro-batch within the strategy's limits. Returns
-    whether anything changed."""
-    changed = False
-    units_of = [[int(u) for u in step[r] if u >= 0] for r in range(step.shape[0])]
-    for _ in range(rounds):
-        rc = [sum(int(seg_cost[members[u]].sum()) for u in units) for units in units_of]
-        hi, lo = int(np.argmax(rc)), int(np.argmin(rc))
-        if rc[hi] <= BALANCE_TOLERANCE * (sum(rc) / len(rc)) or not units_of[lo]:
-            break
-        gap = rc[hi] - rc[lo]
-        # Candidates (score, unit_from, i, unit_to, j); j = -1 is a move. Lower score = gap closer to halved.
-        cands: list[tuple[int, int, int, int, int]] = []
-        for uh in units_of[hi]:
-            hc = seg_cost[members[uh]]
-            for ul in units_of[lo]:
-                lc = seg_cost[members[ul]]
-                if len(members[uh]) > 1:  # a move never empties a micro-batch
-                    ok = hc < gap
-                    cands += [
-                        (abs(gap - 2 * int(c)), uh, int(i), ul, -1)
-                        for i, c in zip(np.flatnonzero(ok), hc[ok], strict=True)
-                    ]
-                if lc.size:
-                    diff = hc[:, None] - lc[None, :]
-                    good = np.argwhere((diff > 0) & (diff < gap))
-                    cands += [(abs(gap - 2 * int(diff[i, j])), uh, int(i), ul, int(j)) for i, j in good]
-        cands.sort()
-        for score, uh, i, ul, j in cands[:64]:
-            if score >= gap:
-                break
-            a, b = list(members[uh]), list(members[ul])
-            if j < 0:
-                b.append(a.pop(i))
-            else:
-                a[i], b[j] = b[j], a[i]
-            if limits.fits(seg_len[a]) and limits.fits(seg_len[b]):
-                members[uh], members[ul] = a, b
-                changed = True
-                break
-        else:
-            break
-    return changed
-
-
 def distribute(
     plan: BatchPlan,
     world_size: int,
@@ -328,6 +206,7 @@ def distribute(
     cost: str = "tokens",
     seed: int = 0,
     balance_rounds: int = 64,
+    max_extra_steps: int | None = None,
 ) -> DistributedPlan:
     """Deal a plan's micro-batches to ranks so every rank carries the same cost at every step.
 
@@ -339,6 +218,10 @@ def distribute(
             (padded tokens).
         seed: seeds the order of steps (combined with the plan's epoch).
         balance_rounds: most segment moves or swaps per uneven step (0 disables balancing).
+        max_extra_steps: most optimizer steps the balancer may add when the uneven steps cannot be
+            evened out in as many steps (long examples that fill a token budget alone leave their
+            steps light, so the other steps cannot hold the rest); None: as many as it takes, 0: never
+            more than ``ceil(num_batches / G)`` steps.
 
     Returns:
         The distributed plan; each rank reads its units with :meth:`DistributedPlan.rank_units`.
@@ -349,7 +232,7 @@ def distribute(
         raise ConfigError(f"cost= must be one of {', '.join(COSTS)}; got {cost!r}")
     group = world_size * accum_steps
     seg_cost = _segment_costs(plan, cost)
-    limits = _UnitLimits.of(plan)
+    limits = UnitLimits.of(plan)
     order = np.arange(plan.num_segments, dtype=np.int64)
     offsets = plan.row_offsets[plan.batch_offsets].astype(np.int64)
     unit_start, unit_end = offsets[:-1].copy(), offsets[1:].copy()
@@ -373,10 +256,10 @@ def distribute(
         fit = min(pool.shape[0], int(seg_cost[pool].sum()) // biggest)
         num_pieces = max(group, (fit // group) * group)
         num_pieces = min(num_pieces, -(-tail.shape[0] // group) * group)
-        dealt = _lpt_pieces(pool, seg_cost, plan.seg_lengths, num_pieces, limits)
+        dealt = lpt_pieces(pool, seg_cost, plan.seg_lengths, num_pieces, limits)
         if dealt is None or min(len(p) for p in dealt) == 0:
             # Indivisible or over-limit: cut the costliest splittable units of the pool in two instead.
-            dealt = _halve_units(
+            dealt = halve_units(
                 [list(order[unit_start[u] : unit_end[u]]) for u in tail.tolist()], seg_cost, group
             )
         if dealt is not None:
@@ -414,8 +297,8 @@ def distribute(
         for s in uneven.tolist():
             step = assignment[s]
             members = {int(u): list(order[unit_start[u] : unit_end[u]]) for u in step.ravel() if u >= 0}
-            changed = _repartition_step(step, members, seg_cost, plan.seg_lengths, limits)
-            changed |= _balance_step(step, members, seg_cost, plan.seg_lengths, limits, balance_rounds)
+            changed = repartition_step(step, members, seg_cost, plan.seg_lengths, limits)
+            changed |= balance_step(step, members, seg_cost, plan.seg_lengths, limits, balance_rounds)
             if changed:
                 for u, segs in members.items():
                     arr = np.asarray(segs, dtype=np.int64)
@@ -425,12 +308,40 @@ def distribute(
                     pieces.append(arr)
         if len(pieces) > 1:
             order = np.concatenate(pieces)
+        # Steps still uneven (one long example in a token budget, a tail of a few examples) are
+        # dissolved with their neighbours in cost order and formed again, every rank to the same cost.
+        rc = np.where(assignment >= 0, costs[np.maximum(assignment, 0)], 0).sum(axis=2)
+        imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
+        uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
+        if uneven.size:
+            reformer = Reformer(
+                seg_cost, plan.seg_lengths, limits, world_size, accum_steps, cost, balance_rounds
+            )
+            found = reform_uneven(
+                assignment,
+                lambda u: order[unit_start[u] : unit_end[u]],
+                uneven,
+                reformer,
+                imbalance,
+                max_extra_steps,
+            )
+            if found is not None:
+                dissolved, new_steps = found
+                loads = [mb.segs for step in new_steps for load in step for mb in load]
+                sizes = np.array([len(mb) for mb in loads], dtype=np.int64)
+                starts = order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                first = unit_start.shape[0]
+                unit_start = np.concatenate([unit_start, starts])
+                unit_end = np.concatenate([unit_end, starts + sizes])
+                costs = np.concatenate([costs, [int(seg_cost[mb].sum()) for mb in loads]])
+                order = np.concatenate([order, *[np.asarray(mb, dtype=np.int64) for mb in loads]])
+                ids = np.arange(first, first + len(loads)).reshape(len(new_steps), world_size, accum_steps)
+                kept = np.ones(num_steps, dtype=bool)
+                kept[dissolved] = False
+                assignment = np.concatenate([assignment[kept], ids])
+                num_steps = assignment.shape[0]
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(plan.epoch), world_size, accum_steps]))
     assignment = assignment[rng.permutation(num_steps)]
     return DistributedPlan(
         plan, world_size, accum_steps, cost, order, unit_start, unit_end, assignment, costs
     )
-
-
-def _rank_costs(step: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    return np.where(step >= 0, costs[np.maximum(step, 0)], 0).sum(axis=1)

@@ -45,6 +45,10 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
         world: this process's place; None reads it once with :meth:`World.detect`.
         accum_steps: gradient-accumulation micro-batches per optimizer step.
         cost: what is balanced: ``"tokens"``, ``"attention"`` (Σ length²) or ``"slots"``.
+        max_extra_steps: optimizer steps the balancer may add where the steps cannot be evened out in
+            as many (see :func:`~smart_batching.distributed.distribute`); None: as many as it takes.
+            The default 0 keeps at most ``ceil(num_batches / world_size)`` micro-batches per rank,
+            the length the Trainer integration sizes an epoch on.
         seed, epoch, **options: as :class:`~smart_batching.sampler.SmartBatchSampler`.
     """
 
@@ -56,11 +60,13 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
         world: World | None = None,
         accum_steps: int = 1,
         cost: str = "tokens",
+        max_extra_steps: int | None = 0,
         seed: int = 0,
         epoch: int = 0,
         **options: Any,
     ) -> None:
         self.world = world if world is not None else World.detect()
+        self.max_extra_steps = max_extra_steps
         self.accum_steps = int(accum_steps)
         self.cost = cost
         self._dist: DistributedPlan | None = None
@@ -82,7 +88,12 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             else:
                 base = _subset_plan(self.lengths, subset, self.spec, self.seed, epoch)
             self._dist = distribute(
-                base, self.world.world_size, accum_steps=self.accum_steps, cost=self.cost, seed=self.seed
+                base,
+                self.world.world_size,
+                accum_steps=self.accum_steps,
+                cost=self.cost,
+                seed=self.seed,
+                max_extra_steps=self.max_extra_steps,
             )
             self._dist_key = key
         return self._dist
@@ -123,7 +134,12 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(world_size=self.world.world_size, accum_steps=self.accum_steps, cost=self.cost)
+        state.update(
+            world_size=self.world.world_size,
+            accum_steps=self.accum_steps,
+            cost=self.cost,
+            max_extra_steps=self.max_extra_steps,
+        )
         if self._subset is not None and self._subset_epoch == self._epoch:
             state["replanned_examples"] = int(self._subset.shape[0])
         return state
@@ -139,6 +155,11 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
         Raises:
             ConfigError: the dataset, strategy or seed changed, or the world changed and ``replan`` is off.
         """
+        if state.get("max_extra_steps", self.max_extra_steps) != self.max_extra_steps:
+            raise ConfigError(
+                f"cannot resume the batch sampler: it was saved with max_extra_steps="
+                f"{state['max_extra_steps']!r}, now {self.max_extra_steps!r} (the plans differ); pass the same"
+            )
         saved_world = int(state.get("world_size", 1))
         saved_accum = int(state.get("accum_steps", 1))
         if "replanned_examples" in state:
@@ -162,7 +183,12 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
         epoch = int(state["epoch"])
         done_steps = int(state["batches_yielded"]) // saved_accum
         old = distribute(
-            self.plan_for_epoch(epoch), saved_world, accum_steps=saved_accum, cost=self.cost, seed=self.seed
+            self.plan_for_epoch(epoch),
+            saved_world,
+            accum_steps=saved_accum,
+            cost=self.cost,
+            seed=self.seed,
+            max_extra_steps=self.max_extra_steps,
         )
         consumed_units = old.assignment[:done_steps].reshape(-1)
         consumed = [old.unit_examples(int(u)) for u in consumed_units if u >= 0]

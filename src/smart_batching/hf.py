@@ -45,10 +45,12 @@ This module imports transformers; ``smart_batching`` itself does not import it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -540,6 +542,8 @@ class SmartBatchingMixin:
     # -- epochs and resume ---------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if self.args.world_size > 1:
+            _release_at_exit(self)
         checkpoint = resume_from_checkpoint
         if isinstance(checkpoint, bool):
             checkpoint = get_last_checkpoint(self.args.output_dir) if checkpoint else None
@@ -640,11 +644,12 @@ class SmartBatchingMixin:
                 )
 
     def _local_batches(self, epoch: int) -> int:
-        """Batches this process gets in ``epoch``: accelerate deals whole batches round-robin and, with
-        ``even_batches``, tops the last round up so that every process gets the same number."""
-        num_batches = len(self.sb_sampler.plan_for_epoch(epoch))
-        world = self.accelerator.num_processes
-        return num_batches if world == 1 else math.ceil(num_batches / world)
+        """Micro-batches this process gets in ``epoch``: all of the plan on one process; with several, its
+        share of the balanced plan (the same number on every rank, whatever re-forming the balancer did)."""
+        sampler = self.sb_sampler
+        if hasattr(sampler, "distributed_plan"):
+            return sampler.distributed_plan(epoch).num_steps * sampler.accum_steps
+        return len(sampler.plan_for_epoch(epoch))
 
     def _check_resume_position(self, epoch: int, skipped: int) -> None:
         self._sb_resume_checked = True
@@ -696,6 +701,28 @@ class SmartBatchingMixin:
         if os.path.isdir(folder):
             with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as f:
                 json.dump(state, f, indent=1)
+
+
+_EXITING_TRAINERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release_at_exit(trainer: Any) -> None:
+    """At interpreter exit, drop ``trainer``'s DDP/FSDP wrappers and destroy the process group while
+    Python is still alive: a gloo group left to finalisation can abort the process
+    (see :func:`smart_batching.distributed.shutdown`)."""
+    atexit.unregister(_release_trainers)  # registered once, however many trainers
+    atexit.register(_release_trainers)
+    _EXITING_TRAINERS.add(trainer)
+
+
+def _release_trainers() -> None:
+    from smart_batching.distributed import shutdown
+
+    for trainer in list(_EXITING_TRAINERS):
+        trainer.accelerator.free_memory()  # its references to the prepared (wrapped) model and optimizer
+        trainer.model_wrapped = trainer.model
+    _EXITING_TRAINERS.clear()
+    shutdown()
 
 
 def _detect_shift_labels(trainer: Any) -> bool:
