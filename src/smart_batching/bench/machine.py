@@ -107,9 +107,15 @@ def machine_line(machine: dict[str, Any]) -> str:
     gpu = f" ({machine['gpu']})" if machine.get("gpu") else ""
     load = machine.get("load_average")
     load_s = f", load average {load[0]:.1f} at start" if load else ""
+    procs = machine.get("processes") or 1
+    threads = (
+        f"{procs} processes x {machine.get('torch_threads', '?')}"
+        if procs > 1
+        else machine.get("torch_threads", "?")
+    )
     return (
         f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, torch device {dev}{gpu}, "
-        f"{machine.get('torch_threads', '?')} torch threads{load_s}"
+        f"{threads} torch threads{load_s}"
     )
 
 

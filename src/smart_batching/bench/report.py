@@ -211,7 +211,9 @@ def summary_table(records: Sequence[dict[str, Any]]) -> str:
         head = (
             f"bench {bench_id}: {first.get('model')} on {data.get('source')} ({first.get('task')}), "
             f"{s.get('num_examples')} examples x {s.get('epochs')} epoch(s), batch_size {s.get('batch_size')}, "
-            f"max_tokens/capacity {s.get('max_tokens')}/{s.get('capacity')}\n"
+            f"max_tokens/capacity {s.get('max_tokens')}/{s.get('capacity')}"
+            + (f", {s['nproc']} processes per run" if (s.get("nproc") or 1) > 1 else "")
+            + "\n"
             f"machine: {machine_line(first.get('machine') or {})}"
         )
         table = _text_table([headers[i] for i in keep], [[r[i] for i in keep] for r in rows])
@@ -371,7 +373,8 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             f"**Settings:** batch_size {s.get('batch_size')} (random, max_length, group_by_length), max_tokens "
             f"{s.get('max_tokens')} (token_budget), capacity {s.get('capacity')} (packed, one row per batch), lr "
             f"{s.get('lr')} {s.get('lr_schedule')}, {s.get('optimizer')}, grad clip {s.get('max_grad_norm')}, seeds "
-            f"{', '.join(str(x) for x in s.get('seeds', []))}, device {s.get('device')}.",
+            f"{', '.join(str(x) for x in s.get('seeds', []))}, device {s.get('device')}"
+            + (f", {s['nproc']} processes per run." if (s.get("nproc") or 1) > 1 else "."),
         ]
     )
     doc.h(3, "Summary")
@@ -407,6 +410,15 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
         init_metric = initial.get("task_metric")
         extra = f", {init_metric['name']} {100 * init_metric['value']:.1f}%" if init_metric else ""
         notes.append(f"Before training: eval loss {initial['loss']:.4f}{extra}.")
+    nproc = max((r.get("world_size") or 1 for r in recs), default=1)
+    if nproc > 1:
+        notes.append(
+            f"Every run trained on {nproc} processes (torchrun) over one balanced plan, each example once per epoch "
+            "across them: tokens/s counts every process's real tokens over the slowest process's wall time, CPU time "
+            "is summed over the processes, step times are the slowest process's, peak memory is the largest single "
+            "process (`peak_memory_mb_per_rank` in the records). Eval and generations ran once, in the bench "
+            "process, on the trained weights."
+        )
     if first.get("memory_kind") == "cpu_rss_peak":
         notes.append(
             "Peak memory on CPU is the sampled process RSS (the model, optimizer and everything else the process holds), "

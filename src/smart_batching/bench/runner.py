@@ -17,6 +17,12 @@ Only the batching differs between runs:
   strategies take about as many steps as the fixed-size ones; the step counts are recorded.
 * **Same eval.** Held-out loss on plain padded batches in a fixed order, greedy generations on
   fixed prompts, all with the model's original attention and KV cache.
+* **Several processes.** ``nproc=N`` trains every run on N processes (torchrun, gloo on CPU, one GPU
+  per process with NCCL; :mod:`~.multiprocess`) over one balanced plan per epoch, so each example is
+  still trained exactly ``epochs`` times, on one of the processes. This process keeps the set-up, the
+  evaluation (once, on the trained weights), the records, the report and Ctrl-C. Records say
+  ``world_size``; ``tokens_per_second`` is all processes' real tokens over the slowest one's wall time;
+  ``peak_memory_mb`` is the largest process's.
 
 Times: ``wall_seconds`` and ``cpu_seconds`` (process CPU time, all threads) of ``trainer.train()``;
 on a machine shared with other work the CPU time is the steadier of the two. ``step_seconds`` and
@@ -28,7 +34,8 @@ rendered from the file (:mod:`smart_batching.bench.report`).
 
 Warm-up before the timed runs: every strategy is planned once (the planners compile with numba on
 first use) and one padded and one packed batch are trained (forward, backward, AdamW step) on a
-throwaway copy of the model, so no run pays for compilation or first-touch allocation.
+throwaway copy of the model, so no run pays for compilation or first-touch allocation. With
+``nproc > 1`` every process warms up for its run before training.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from smart_batching.bench.machine import machine_info, versions
+from smart_batching.bench.machine import machine_info, usable_cores, versions
 from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_record, read_records
 from smart_batching.bench.tasks import prepare_bench_data
 from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
@@ -98,6 +105,7 @@ def run_bench(
     progress: bool = True,
     device: Any = None,
     threads: int | None = None,
+    nproc: int = 1,
     model_options: dict[str, Any] | None = None,
     callbacks: Sequence[Any] = (),
     on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -136,8 +144,12 @@ def run_bench(
         device: torch device; None means CUDA when available, else CPU.
         threads: torch CPU threads during the bench (restored afterwards); None leaves torch's setting.
             On a machine shared with other work, 1 thread makes ``cpu_seconds`` a clean measure of work.
+            With ``nproc > 1``: threads of each process; None means the usable cores / ``nproc``.
+        nproc: processes each run trains on (torchrun; gloo on CPU, NCCL with one GPU per process),
+            all over one balanced plan (:mod:`.multiprocess`). 1 trains in this process.
         model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``).
-        callbacks: extra ``TrainerCallback`` objects for every run.
+        callbacks: extra ``TrainerCallback`` objects for every run (``nproc=1`` only: they live in this
+            process).
         on_record: called with each record as soon as it is written.
 
     Returns:
@@ -160,7 +172,16 @@ def run_bench(
         num_examples = max_steps * batch_size
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads={threads!r} must be a positive integer or None")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"nproc={nproc!r} must be a positive integer (processes per run)")
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if nproc > 1 and callbacks:
+        raise ConfigError("callbacks= run in this process only; they cannot be combined with nproc > 1")
+    if nproc > 1 and dev.type == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"nproc={nproc} needs one GPU per process, but {torch.cuda.device_count()} are visible; "
+            "lower nproc or train on the CPU (device='cpu')"
+        )
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -170,8 +191,8 @@ def run_bench(
             max_steps=max_steps, epochs=epochs, batch_size=batch_size, max_tokens=max_tokens, capacity=capacity,
             max_length=max_length, lr=lr, eval_data=eval_data, eval_examples=eval_examples,
             eval_batch_size=eval_batch_size, num_generations=num_generations, max_new_tokens=max_new_tokens,
-            out_dir=out_dir, append=append, render=render, progress=progress, dev=dev,
-            model_options=model_options, callbacks=callbacks, on_record=on_record,
+            out_dir=out_dir, append=append, render=render, progress=progress, dev=dev, nproc=nproc,
+            threads=threads, model_options=model_options, callbacks=callbacks, on_record=on_record,
         )  # fmt: skip
     finally:
         torch.set_num_threads(previous_threads)
@@ -202,6 +223,8 @@ def _run_bench(
     render: bool,
     progress: bool,
     dev: Any,
+    nproc: int,
+    threads: int | None,
     model_options: dict[str, Any] | None,
     callbacks: Sequence[Any],
     on_record: Callable[[dict[str, Any]], None] | None,
@@ -257,20 +280,30 @@ def _run_bench(
         "num_generations": len(bench_data.prompts),
         "max_new_tokens": max_new_tokens or (256 if task == "gsm8k" else 48),
         "device": dev.type,
+        "nproc": nproc,
     }
+    machine = machine_info(dev)
+    threads_per_rank = threads or max(1, usable_cores() // nproc)
+    if nproc > 1:
+        machine.update(processes=nproc, torch_threads=threads_per_rank)
     bench = BenchContext(
         bench_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
         model=bm,
         data=bench_data,
         settings=settings,
         device=dev,
-        machine=machine_info(dev),
+        machine=machine,
         versions=versions(),
         eval_initial={},
         records_path=records_path,
     )
-    say("warming up (planner compilation, first batches) ...")
-    warmup(bench, strategies)
+    if nproc == 1:
+        say("warming up (planner compilation, first batches) ...")
+        warmup(bench, strategies)
+    else:
+        from smart_batching.bench.multiprocess import RankLauncher, check_world
+
+        check_world(bench, strategies, seeds, nproc)  # before any process starts
     say("evaluating the initial weights ...")
     initial_model = bm.fresh(dev)
     ev, metric, _ = evaluate_model(bench, initial_model)
@@ -279,9 +312,13 @@ def _run_bench(
 
     runs = [(strategy, seed) for seed in seeds for strategy in strategies]
     records: list[dict[str, Any]] = []
+    launcher = None
+    if nproc > 1:
+        say(f"each run trains on {nproc} processes (torchrun, {threads_per_rank} CPU thread(s) each) ...")
+        launcher = RankLauncher(bench, nproc, threads_per_rank=threads_per_rank, progress=progress)
     try:
         for i, (strategy, seed) in enumerate(runs):
-            rec = run_one(bench, strategy, seed, i, len(runs), callbacks, progress)
+            rec = run_one(bench, strategy, seed, i, len(runs), callbacks, progress, launcher)
             append_record(records_path, rec)
             records.append(rec)
             say(_run_line(rec))
@@ -293,6 +330,9 @@ def _run_bench(
             file=sys.stderr,
             flush=True,
         )
+    finally:
+        if launcher is not None:
+            launcher.close()
     if render and records:
         from smart_batching.bench.report import render_report
 
@@ -306,8 +346,9 @@ def _run_line(rec: dict[str, Any]) -> str:
     ev = rec.get("eval") or {}
     metric = rec.get("task_metric")
     metric_s = f", {metric['name']} {metric['value']:.3f}" if metric else ""
+    procs = f" on {rec['world_size']} processes" if rec.get("world_size", 1) > 1 else ""
     return (
-        f"  {rec['strategy']} seed {rec['seed']}: {rec['num_steps']} steps in {rec['wall_seconds']:.1f} s, "
+        f"  {rec['strategy']} seed {rec['seed']}: {rec['num_steps']} steps{procs} in {rec['wall_seconds']:.1f} s, "
         f"{rec['tokens_per_second']:,.0f} tokens/s, padding {100 * rec['padding_ratio']:.1f}%, "
         f"eval loss {ev.get('loss', float('nan')):.4f}{metric_s}"
     )

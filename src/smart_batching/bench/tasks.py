@@ -133,13 +133,18 @@ def _load_eval(data: Any, eval_data: Any) -> tuple[Any | None, str | None]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _encode(tokenizer: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
+    """``input_ids`` of each text; no texts (e.g. ``num_prompts=0``) gives none (tokenizers fail on [])."""
+    return tokenizer(texts, **kwargs)["input_ids"] if texts else []
+
+
 def _tokenize_causal(ds: Any, tokenizer: Any, fmt: str, max_length: int | None) -> tuple[dict, dict]:
     from smart_batching.formats import render_batch
 
     rendered = render_batch(ds.to_dict(), tokenizer, format=fmt)
     special = not rendered.chat_template
-    full = tokenizer(rendered.texts, add_special_tokens=special)["input_ids"]
-    prompts = tokenizer(rendered.prompts, add_special_tokens=special)["input_ids"]
+    full = _encode(tokenizer, rendered.texts, add_special_tokens=special)
+    prompts = _encode(tokenizer, rendered.prompts, add_special_tokens=special)
     eos = tokenizer.eos_token_id
     ids: list[list[int]] = []
     prompt_lengths: list[int] = []
@@ -183,7 +188,7 @@ def _text_column(column_names: list[str]) -> str:
 def _tokenize_classification(ds: Any, tokenizer: Any, max_length: int | None) -> tuple[dict, dict]:
     text_col, label_col = _text_column(ds.column_names), _label_column(ds.column_names)
     texts = ["" if t is None else str(t) for t in ds[text_col]]
-    full = tokenizer(texts)["input_ids"]
+    full = _encode(tokenizer, texts)
     ids: list[list[int]] = []
     num_cut = cut_tokens = 0
     for row in full:

@@ -1,7 +1,9 @@
 """One bench run: train a fresh copy of the model with one strategy and seed, measure, evaluate.
 
 Used by :func:`smart_batching.bench.runner.run_bench`, which owns the set-up (data, model, sizes) and
-the loop; see its module docstring for what is held equal between runs.
+the loop; see its module docstring for what is held equal between runs. :func:`train_run` is the
+training and measuring of one process (one rank under torchrun, see :mod:`.multiprocess`);
+:func:`run_one` adds the evaluation and builds the record.
 """
 
 from __future__ import annotations
@@ -142,8 +144,11 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
     import torch
     from transformers import TrainingArguments
 
+    from smart_batching.bench.models import BENCH_MODELS
+
     s = bench.settings
     cuda = torch.device(bench.device).type == "cuda"
+    several = int(os.environ.get("WORLD_SIZE", 1)) > 1
     return TrainingArguments(
         output_dir=output_dir,
         num_train_epochs=s["epochs"],
@@ -164,6 +169,9 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
         dataloader_pin_memory=cuda,
         use_cpu=not cuda,
         bf16=cuda and torch.cuda.is_bf16_supported(),
+        ddp_backend="gloo" if several and not cuda else None,
+        # The bench models use every parameter in every step; skip DDP's per-step search for unused ones.
+        ddp_find_unused_parameters=False if several and bench.model.name in BENCH_MODELS else None,
     )
 
 
@@ -184,20 +192,14 @@ def run_one(
     num_runs: int,
     callbacks: Sequence[Any],
     progress: bool,
+    launcher: Any = None,
 ) -> dict[str, Any]:
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    """Train, measure and evaluate one run; returns its record.
 
-    from smart_batching.bench.measure import (
-        ClassificationCollator,
-        CountingCollator,
-        LossRecorder,
-        ProgressBar,
-        StepTimer,
-        classification_loss,
-        percentiles,
-    )
-    from smart_batching.hf import SmartBatchingTrainer, make_collator
-
+    Args:
+        launcher: None trains in this process; a :class:`~.multiprocess.RankLauncher` trains on its
+            processes and hands back the trained weights, which are evaluated here.
+    """
     s, bm, data = bench.settings, bench.model, bench.data
     base, options = strategy_options(
         strategy, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
@@ -211,6 +213,7 @@ def run_one(
         "seed": seed,
         "model": bm.name,
         "task": data.task,
+        "world_size": launcher.nproc if launcher is not None else 1,
     }
     common = {
         "data": _data_summary(data),
@@ -224,6 +227,52 @@ def run_one(
         return {**record, "status": "skipped", "skip_reason": reason, **common}
 
     release_memory()
+    label = f"[{run_index + 1}/{num_runs}] {strategy} seed {seed}"
+    if launcher is None:
+        model, measured = train_run(
+            bench, strategy, seed, label=label, callbacks=callbacks, progress=progress
+        )
+    else:
+        model, measured = launcher.train(strategy, seed, run_index=run_index, label=label)
+    record = _finish_record(bench, record, common, measured, model)
+    del model
+    release_memory()
+    return record
+
+
+def train_run(
+    bench: BenchContext,
+    strategy: str,
+    seed: int,
+    *,
+    label: str,
+    callbacks: Sequence[Any] = (),
+    progress: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+    """Train a fresh copy of the model with one strategy and seed, on this process (one rank).
+
+    Returns:
+        ``(model, measured)``: the trained model and this rank's measurements, a dict of plain values
+        and NumPy arrays; ``world_size`` is 1 here (:func:`~.multiprocess.merge_measurements` puts
+        the ranks' together).
+    """
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from smart_batching.bench.measure import (
+        ClassificationCollator,
+        CountingCollator,
+        LossRecorder,
+        ProgressBar,
+        StepTimer,
+        classification_loss,
+    )
+    from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+    from smart_batching.hf import SmartBatchingTrainer, make_collator
+
+    s, bm, data = bench.settings, bench.model, bench.data
+    base, options = strategy_options(
+        strategy, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+    )
     tok = bm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     # max_length plans every row at one width, but the padding collators pad to the longest example of
@@ -236,9 +285,7 @@ def run_one(
     collator = CountingCollator(inner)
     timer, losses = StepTimer(bench.device), LossRecorder()
     # Bars only on a terminal; in logs the per-run lines say enough.
-    bar = ProgressBar(
-        f"[{run_index + 1}/{num_runs}] {strategy} seed {seed}", enabled=progress and sys.stderr.isatty()
-    )
+    bar = ProgressBar(label, enabled=progress and sys.stderr.isatty())
     model = bm.fresh(bench.device)
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="smart-batching-bench-") as tmp:
@@ -267,35 +314,99 @@ def run_one(
     if guard is not None:
         guard.remove()
     sampler = trainer.sb_sampler
-    plans = [sampler.plan_for_epoch(e) for e in range(s["epochs"])]
-    ids = np.concatenate([p.example_ids for p in plans])
-    seg = np.concatenate([p.seg_lengths for p in plans])
+    epochs = range(s["epochs"])
+    if isinstance(sampler, DistributedSmartBatchSampler):
+        # This rank's share of each epoch's balanced plan; the ranks' shares together are the plan.
+        rank, imbalance, parts = sampler.world.rank, 1.0, []
+        for e in epochs:
+            d = sampler.distributed_plan(e)
+            units = [int(u) for u in d.rank_units(rank) if u >= 0]
+            parts.append(
+                np.concatenate([d.unit_segments(u) for u in units]) if units else np.zeros(0, np.int64)
+            )
+            imbalance = max(imbalance, d.max_step_imbalance)
+        plans = [d.base for d in (sampler.distributed_plan(e) for e in epochs)]
+        ids = np.concatenate([p.example_ids[seg] for p, seg in zip(plans, parts, strict=True)])
+        seg_lengths = np.concatenate([p.seg_lengths[seg] for p, seg in zip(plans, parts, strict=True)])
+    else:
+        plans = [sampler.plan_for_epoch(e) for e in epochs]
+        ids = np.concatenate([p.example_ids for p in plans])
+        seg_lengths = np.concatenate([p.seg_lengths for p in plans])
+        imbalance = None
     stats = plans[0].stats()
+    measured = {
+        "world_size": 1,
+        "num_steps": int(trainer.state.global_step),
+        "examples": list(collator.examples),
+        "real_tokens": list(collator.real_tokens),
+        "slots": list(collator.slots),
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "step_seconds": list(timer.step_seconds),
+        "iteration_seconds": list(timer.iteration_seconds),
+        "peak_memory_mb": [mem.peak_mb],
+        "memory_start_mb": [mem.start_mb],
+        "memory_kind": mem.kind,
+        "loss_steps": list(losses.steps),
+        "losses": list(losses.losses),
+        "example_ids": ids,
+        "seg_lengths": seg_lengths,
+        "planned": {
+            "num_batches": stats.num_batches,
+            "num_rows": stats.num_rows,
+            "efficiency": stats.efficiency,
+            "token_slots": stats.token_slots,
+            "examples_per_batch": stats.examples_per_batch,
+            **({"max_step_imbalance": imbalance} if imbalance is not None else {}),
+        },
+        "plan_dropped": {
+            "num_dropped_by_plan": int(stats.num_dropped),
+            "num_truncated_by_plan": int(stats.num_truncated),
+            "num_split_by_plan": int(stats.num_split),
+        },
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    del trainer
+    return model, measured
 
+
+def _finish_record(
+    bench: BenchContext, record: dict[str, Any], common: dict[str, Any], m: dict[str, Any], model: Any
+) -> dict[str, Any]:
+    """Evaluate the trained model and complete the record from the (merged) measurements ``m``."""
+    from smart_batching.bench.measure import percentiles
+
+    s, data = bench.settings, bench.data
     ev, metric, gens = evaluate_model(bench, model)
-    real, slots = int(sum(collator.real_tokens)), int(sum(collator.slots))
-    examples_cum = np.cumsum(collator.examples)
-    tokens_cum = np.cumsum(collator.real_tokens)
-    steps = [st for st in losses.steps if st <= len(examples_cum)]
-    curve_losses = losses.losses[: len(steps)]
+    real, slots, examples = int(sum(m["real_tokens"])), int(sum(m["slots"])), int(sum(m["examples"]))
+    wall = m["wall_seconds"]
+    examples_cum = np.cumsum(m["examples"])
+    tokens_cum = np.cumsum(m["real_tokens"])
+    steps = [st for st in m["loss_steps"] if st <= len(examples_cum)]
+    curve_losses = m["losses"][: len(steps)]
     tail = curve_losses[-max(1, len(curve_losses) // 10) :]
+    peaks = [v for v in m["peak_memory_mb"] if v is not None]
+    starts = [v for v in m["memory_start_mb"] if v is not None]
     record.update(
         status="ok",
-        num_steps=int(trainer.state.global_step),
-        num_examples_seen=int(sum(collator.examples)),
+        world_size=m["world_size"],
+        num_steps=m["num_steps"],
+        num_examples_seen=examples,
         real_tokens=real,
         token_slots=slots,
         padding_ratio=1.0 - real / slots if slots else 0.0,
-        examples_digest=examples_digest(ids, seg),
+        examples_digest=examples_digest(m["example_ids"], m["seg_lengths"]),
         wall_seconds=wall,
-        cpu_seconds=cpu,
+        cpu_seconds=m["cpu_seconds"],
         tokens_per_second=real / wall,
-        samples_per_second=float(sum(collator.examples)) / wall,
-        step_seconds=percentiles(timer.step_seconds),
-        iteration_seconds=percentiles(timer.iteration_seconds),
-        peak_memory_mb=mem.peak_mb,
-        memory_start_mb=mem.start_mb,
-        memory_kind=mem.kind,
+        samples_per_second=examples / wall,
+        step_seconds=percentiles(m["step_seconds"]),
+        iteration_seconds=percentiles(m["iteration_seconds"]),
+        peak_memory_mb=max(peaks) if peaks else None,
+        peak_memory_mb_per_rank=m["peak_memory_mb"],
+        memory_start_mb=max(starts) if starts else None,
+        memory_kind=m["memory_kind"],
         loss_curve={
             "step": steps,
             "examples": [int(examples_cum[st - 1]) for st in steps],
@@ -310,25 +421,15 @@ def run_one(
             "num_truncated": data.truncation["num_truncated"],
             "truncated_tokens": data.truncation["truncated_tokens"],
             "max_length": data.truncation["max_length"],
-            "num_dropped_by_plan": int(stats.num_dropped),
-            "num_truncated_by_plan": int(stats.num_truncated),
-            "num_split_by_plan": int(stats.num_split),
-            "num_examples_not_seen": int(data.num_train * s["epochs"] - len(ids)),
+            **m["plan_dropped"],
+            "num_examples_not_seen": int(data.num_train * s["epochs"] - len(m["example_ids"])),
         },
-        planned={
-            "num_batches": stats.num_batches,
-            "num_rows": stats.num_rows,
-            "efficiency": stats.efficiency,
-            "token_slots": stats.token_slots,
-            "examples_per_batch": stats.examples_per_batch,
-        },
-        load_average_start=load_start,
-        load_average_end=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        planned=m["planned"],
+        load_average_start=m["load_average_start"],
+        load_average_end=m["load_average_end"],
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
         **common,
     )
-    del trainer, model
-    release_memory()
     return record
 
 
@@ -394,4 +495,4 @@ def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
     release_memory()
 
 
-__all__ = ["BenchContext", "evaluate_model", "run_one", "strategy_options", "warmup"]
+__all__ = ["BenchContext", "evaluate_model", "run_one", "strategy_options", "train_run", "warmup"]

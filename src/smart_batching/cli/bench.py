@@ -4,6 +4,14 @@ Runs :func:`smart_batching.bench.runner.run_bench`: the records go to ``--out``/
 each run finishes (Ctrl-C keeps the finished ones and still renders the report), the report to
 ``--out``/``report.{md,html}``. Ends with the report paths and the summary table; ``--json`` prints the
 records instead, one JSON object per line on stdout (the rest goes to stderr).
+
+``--nproc N`` trains every run on N processes: for each strategy and seed the bench starts
+``torchrun --standalone --nproc_per_node N`` (gloo on CPU, one GPU per process with NCCL), the
+processes train over one balanced plan (each example once per epoch, across them), and the bench
+evaluates the trained weights once and writes the record (``world_size`` N; tokens/s of all processes
+together; peak memory of the largest process)::
+
+    smart-batching bench --data ../shared/data/gsm8k/train.jsonl --max-steps 40 --nproc 2
 """
 
 from __future__ import annotations
@@ -113,8 +121,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     r.add_argument(
+        "--nproc", type=positive_int, default=1, metavar="N",
+        help="processes per run: >1 trains each run under torchrun over one balanced plan "
+        "(gloo on CPU, one GPU per process with NCCL) (default: 1)",
+    )  # fmt: skip
+    r.add_argument(
         "--threads", type=positive_int, default=None, metavar="N",
-        help="torch CPU threads (default: torch's own; 1 gives steady CPU-time figures on a shared machine)",
+        help="torch CPU threads, per process with --nproc (default: torch's own, or cores / nproc; "
+        "1 gives steady CPU-time figures on a shared machine)",
     )  # fmt: skip
     e = p.add_argument_group("evaluation")
     e.add_argument(
@@ -189,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         device=args.device,
         threads=args.threads,
+        nproc=args.nproc,
         on_record=emit,
     )
     out = Path(args.out)

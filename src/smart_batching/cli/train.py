@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -78,10 +77,9 @@ def _relaunch(args: argparse.Namespace) -> int:
         cleaned = (
             ["train", *cleaned[cleaned.index("train") + 1 :]] if "train" in cleaned else ["train", *cleaned]
         )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
-    cmd += ["-m", "smart_batching", *cleaned]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    from smart_batching._launch import run_torchrun
+
+    return run_torchrun(args.nproc, "smart_batching", cleaned)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
                 f"(mean {summary['mean_step_imbalance']:.3f}); {summary['num_truncated']} examples truncated "
                 f"to --max-length {args.max_length}"
             )
+    if world_size > 1:
+        from smart_batching.distributed import shutdown
+
+        del trainer  # the DDP model first, then the process group (gloo can abort at interpreter exit)
+        shutdown()
     return 0
 
 
