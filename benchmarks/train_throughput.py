@@ -20,6 +20,8 @@ Strategies, all on the same examples, the same model initialisation and the same
 ``token_budget``              ours: variable batch size under ``--batch-size x mean length x 1.25``
                               padded tokens
 ``packed``                    ours: best-fit-decreasing packs of that many tokens, packed attention
+``packed_full_logits``        ``packed`` with ``target_logits_only=False``: the LM head on every
+                              position, as HF computes it (ours compute it only where the loss looks)
 ============================  ===================================================================
 
 By default every strategy trains one epoch over the examples, so all see exactly the same tokens;
@@ -64,6 +66,7 @@ ALL_STRATEGIES = (
     "group_by_length",
     "token_budget",
     "packed",
+    "packed_full_logits",
 )
 BASELINE = "hf_random"
 
@@ -216,22 +219,24 @@ def run_strategy(name: str, ds: Any, opts: argparse.Namespace, budget: int, out_
         args = TrainingArguments(train_sampling_strategy=strategy, **common)
         trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[timer])
     else:
+        base = name.removesuffix("_full_logits")
         options = {
             "group_by_length": {"batch_size": opts.batch_size},
             "token_budget": {"max_tokens": budget},
             "packed": {"capacity": budget},
-        }[name]
-        settings = dict(options)
-        collator = CountingCollator(make_collator(name, pad_token_id=pad))
+        }[base]
+        settings = {**options, "target_logits_only": base == name}
+        collator = CountingCollator(make_collator(base, pad_token_id=pad))
         trainer = SmartBatchingTrainer(
             model=model,
             args=TrainingArguments(**common),
             train_dataset=ds,
             data_collator=collator,
             callbacks=[timer],
-            strategy=name,
+            strategy=base,
             strategy_options=options,
             seed=0,
+            target_logits_only=base == name,
         )
     trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON records
     if torch.cuda.is_available():

@@ -60,7 +60,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from smart_batching.errors import ConfigError, require
-from smart_batching.loss import TokenLoss, count_target_tokens
+from smart_batching.loss import TokenLoss, count_target_tokens, kept_token_loss_sum, target_positions
 from smart_batching.planners import make_spec
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
 
@@ -273,6 +273,7 @@ class SmartBatchingMixin:
         packed_attention: bool = True,
         shift_labels: bool | None = None,
         streaming_buffer_size: int = 10_000,
+        target_logits_only: bool = True,
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -287,6 +288,7 @@ class SmartBatchingMixin:
             shift_labels=shift_labels,
             replace_collator=not user_collator,
             streaming_buffer_size=streaming_buffer_size,
+            target_logits_only=target_logits_only,
         )
 
     def setup_smart_batching(
@@ -301,6 +303,7 @@ class SmartBatchingMixin:
         shift_labels: bool | None = None,
         replace_collator: bool = True,
         streaming_buffer_size: int = 10_000,
+        target_logits_only: bool = True,
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -320,6 +323,13 @@ class SmartBatchingMixin:
             replace_collator: Install the strategy's collator as ``data_collator``.
             streaming_buffer_size: Examples planned at a time when ``train_dataset`` is streamed (an
                 HF or torch ``IterableDataset``); see :mod:`smart_batching.streaming`.
+            target_logits_only: In training, have a causal LM compute its LM head only at the positions
+                whose logits are scored (``logits_to_keep=``; prompt, padding and example-boundary
+                positions are skipped) and take the token loss there: the same loss and gradients,
+                less work where the vocabulary is large. Used only where it is exact: a model whose
+                ``forward`` takes ``logits_to_keep``, the token-normalised loss (no label smoother, no
+                ``compute_loss_func`` of yours, no ``compute_loss`` override in a subclass such as
+                TRL's ``SFTTrainer``), no router auxiliary loss.
 
         Raises:
             ConfigError: bad strategy options, or (``packed``) a model that would leak attention.
@@ -334,6 +344,8 @@ class SmartBatchingMixin:
         )
         self.sb_lengths = lengths
         self.sb_streaming_buffer = int(streaming_buffer_size)
+        self.sb_target_logits_only = bool(target_logits_only)
+        self._sb_target_logits: bool | None = None  # decided on the first training step
         self.sb_length_column = length_column
         self.sb_sampler: SmartBatchSampler | None = None
         self.sb_stream: Any = None  # the StreamingBatchDataset of a streamed train_dataset
@@ -538,6 +550,79 @@ class SmartBatchingMixin:
                 n = self.accelerator.gather(n).sum()
             num_items = n
         return batch_samples, num_items
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """``Trainer.compute_loss``, with the LM head computed only where the loss looks (training only).
+
+        The loss is the same sum of token cross-entropies over ``num_items_in_batch`` that the model
+        (or :class:`~smart_batching.loss.TokenLoss`) computes from full logits; see ``target_logits_only``
+        in :meth:`setup_smart_batching` for when this path is taken.
+        """
+        if not (
+            num_items_in_batch is not None
+            and "labels" in inputs
+            and getattr(model, "training", False)
+            and self._target_logits_apply(model)
+        ):
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        shifted = inputs.pop("shift_labels", None)  # labels already shifted by the collator
+        targets, shift = (labels, True) if shifted is None else (shifted, False)
+        keep = target_positions(targets, shift_labels=shift)
+        outputs = model(**inputs, logits_to_keep=keep)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        total = kept_token_loss_sum(logits, targets, keep, shift_labels=shift)
+        loss = total / torch.as_tensor(num_items_in_batch, device=total.device, dtype=total.dtype)
+        if self.args.average_tokens_across_devices:
+            # As Trainer.compute_loss: num_items_in_batch counts every rank's tokens, DDP averages gradients.
+            loss_scale = self.accelerator.num_processes // self.get_tp_size()
+            loss = loss * (loss_scale if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return (loss, outputs) if return_outputs else loss
+
+    def _target_logits_apply(self, model: Any) -> bool:
+        """Whether the target-only-logits loss is exact for this trainer and model (decided once)."""
+        if self._sb_target_logits is None:
+            self._sb_target_logits = self._decide_target_logits(model)
+            if self._sb_target_logits:
+                logger.info("smart batching: the LM head runs only at target positions (target_logits_only)")
+        return self._sb_target_logits
+
+    def _decide_target_logits(self, model: Any) -> bool:
+        import inspect
+
+        if not self.sb_target_logits_only or self.label_smoother is not None:
+            return False
+        token_loss = self.compute_loss_func is None and self.model_accepts_loss_kwargs
+        ours = self._sb_token_loss is not None and self.compute_loss_func is self._sb_token_loss
+        if not (token_loss or ours) or (ours and not self._sb_token_loss.shift_labels):
+            return False
+        # A subclass's compute_loss (e.g. TRL's SFTTrainer, which reads full logits for its metrics) wins.
+        mro = type(self).__mro__
+        after = mro[mro.index(SmartBatchingMixin) + 1 :]
+        first = next((c for c in after if "compute_loss" in vars(c)), None)
+        if first is not Trainer:
+            return False
+        unwrapped = self.accelerator.unwrap_model(model)
+        config = getattr(unwrapped, "config", None)
+        if getattr(config, "output_router_logits", False) or not _detect_shift_labels(self):
+            return False
+        try:
+            params = inspect.signature(unwrapped.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and getattr(pc, "sp_enabled", False):
+            return False
+        return "logits_to_keep" in params
 
     # -- epochs and resume ---------------------------------------------------------------------------
 
@@ -806,6 +891,8 @@ def apply_smart_batching(trainer: Any, strategy: Any = "token_budget", **options
         "packed_attention",
         "shift_labels",
         "replace_collator",
+        "streaming_buffer_size",
+        "target_logits_only",
     }
     setup = {k: v for k, v in options.items() if k in setup_keys}
     spec_options = {k: v for k, v in options.items() if k not in setup_keys}

@@ -80,6 +80,54 @@ def token_loss_sum(
     )
 
 
+def target_positions(
+    labels: torch.Tensor, *, shift_labels: bool = True, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Sequence positions whose logits are scored in at least one row (a 1-D int64 tensor).
+
+    Position ``t`` is kept when some row has a target at ``labels[:, t + 1]`` (``shift_labels``) or at
+    ``labels[:, t]``. A causal LM computes its LM head only there with ``logits_to_keep=`` this tensor
+    (prompt, padding and example-boundary positions are skipped). Never empty: with no target at all
+    position 0 is kept, so the LM head still takes part in the backward pass (DDP expects every
+    parameter to get a gradient).
+
+    Args:
+        labels: ``(rows, tokens)``.
+        shift_labels: Causal LM convention (see :func:`token_loss_sum`).
+        ignore_index: Label value that is not a target.
+    """
+    keep = _targets(labels, shift_labels).ne(ignore_index).any(dim=0).nonzero().flatten()
+    if keep.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long, device=labels.device)
+    return keep
+
+
+def kept_token_loss_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    shift_labels: bool = True,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """:func:`token_loss_sum` of logits computed only at ``positions`` (from :func:`target_positions`).
+
+    Args:
+        logits: ``(rows, len(positions), vocab)``, the model's logits at ``positions``.
+        labels: ``(rows, tokens)``, the full labels.
+        positions: the sequence positions the logits belong to.
+        shift_labels: Causal LM: the logit at position ``t`` is scored against ``labels[:, t + 1]``.
+        ignore_index: Label value that is not a target.
+    """
+    targets = _targets(labels, shift_labels)[:, positions.to(labels.device)]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+
+
 class TokenLoss:
     """``sum of token losses / num_items_in_batch``: a ``compute_loss_func`` for HF ``Trainer``.
 
@@ -114,4 +162,11 @@ class TokenLoss:
         return f"TokenLoss(shift_labels={self.shift_labels}, ignore_index={self.ignore_index})"
 
 
-__all__ = ["IGNORE_INDEX", "TokenLoss", "count_target_tokens", "token_loss_sum"]
+__all__ = [
+    "IGNORE_INDEX",
+    "TokenLoss",
+    "count_target_tokens",
+    "kept_token_loss_sum",
+    "target_positions",
+    "token_loss_sum",
+]

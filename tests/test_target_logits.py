@@ -1,0 +1,148 @@
+"""Target-only logits in SmartBatchingTrainer: the LM head runs only where the loss looks, with the same
+loss and gradients as full logits, and only where that is exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from smart_batching.hf import SmartBatchingTrainer, with_smart_batching  # noqa: E402
+from smart_batching.loss import kept_token_loss_sum, target_positions, token_loss_sum  # noqa: E402
+
+VOCAB = 384
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config).float()
+
+
+def prompt_dataset(num_examples: int = 24, seed: int = 0) -> datasets.Dataset:
+    """Prompt + answer rows; loss on the answer only (``prompt_length`` leading tokens are not targets)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(12, 70, size=num_examples)
+    prompts = (lengths * rng.uniform(0.4, 0.8, size=num_examples)).astype(int)
+    rows = [rng.integers(1, VOCAB, size=n).tolist() for n in lengths]
+    return datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": prompts.tolist()})
+
+
+def sgd_args(tmp_path, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], optim="sgd", learning_rate=1.0,
+        weight_decay=0.0, max_grad_norm=0.0, max_steps=1, lr_scheduler_type="constant", save_strategy="no",
+        disable_tqdm=True, seed=0, gradient_accumulation_steps=2,
+    )  # fmt: skip
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+class HeadRows:
+    """Counts the positions the LM head computes."""
+
+    def __init__(self, model) -> None:
+        self.rows = 0
+        model.lm_head.register_forward_hook(self)
+
+    def __call__(self, module, args, output) -> None:
+        self.rows += int(np.prod(args[0].shape[:-1]))
+
+
+def run(
+    tmp_path, strategy: str, options: dict, *, target_logits_only: bool, trainer_cls=SmartBatchingTrainer
+):
+    model = tiny_llama()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    head = HeadRows(model)
+    trainer = trainer_cls(
+        model=model,
+        args=sgd_args(tmp_path / f"{strategy}-{target_logits_only}"),
+        train_dataset=prompt_dataset(),
+        strategy=strategy,
+        strategy_options=options,
+        target_logits_only=target_logits_only,
+    )
+    loss = float(trainer.train().training_loss)
+    grads = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    return trainer, loss, grads, head.rows
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options"), [("packed", {"capacity": 192}), ("token_budget", {"max_tokens": 256})]
+)
+def test_target_only_logits_give_the_same_loss_and_gradients_with_fewer_head_rows(
+    tmp_path, strategy, options
+):
+    fast, loss, grads, rows = run(tmp_path, strategy, options, target_logits_only=True)
+    full, ref_loss, ref_grads, ref_rows = run(tmp_path, strategy, options, target_logits_only=False)
+    assert fast._sb_target_logits is True and full._sb_target_logits is False
+    assert abs(loss - ref_loss) <= 1e-5
+    assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) <= 1e-5
+    assert max(float(g.abs().max()) for g in ref_grads.values()) > 1e-3  # a real update was compared
+    # About half of every row is prompt: the head skips those positions (for packing, nearly all of them).
+    assert rows < 0.8 * ref_rows
+
+
+def test_positions_and_kept_loss_match_the_full_token_loss():
+    torch.manual_seed(1)
+    labels = torch.randint(0, VOCAB, (3, 10))
+    labels[:, :4] = -100
+    labels[0, 7:] = -100
+    labels[2, :] = -100
+    logits = torch.randn(3, 10, VOCAB)
+    keep = target_positions(labels)
+    assert keep.tolist() == [3, 4, 5, 6, 7, 8]  # position t predicts labels[:, t + 1]
+    full = token_loss_sum(logits, labels)
+    assert torch.allclose(kept_token_loss_sum(logits[:, keep], labels, keep), full)
+    # No target at all: one position is still kept, so the LM head takes part in the backward pass.
+    none = torch.full((2, 5), -100)
+    assert target_positions(none).tolist() == [0]
+    assert float(kept_token_loss_sum(logits[:2, :1], none, target_positions(none))) == 0.0
+
+
+class MetricsTrainer(Trainer):
+    """A subclass that reads full logits in compute_loss (as TRL's SFTTrainer does for its metrics)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        width = inputs["input_ids"].shape[1]
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        self.logit_widths = [*getattr(self, "logit_widths", []), (outputs.logits.shape[1], width)]
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_a_subclass_compute_loss_or_a_label_smoother_keeps_full_logits(tmp_path):
+    trainer, *_ = run(
+        tmp_path,
+        "packed",
+        {"capacity": 192},
+        target_logits_only=True,
+        trainer_cls=with_smart_batching(MetricsTrainer),
+    )
+    assert trainer._sb_target_logits is False
+    assert all(got == width for got, width in trainer.logit_widths)  # every position of the packed row
+    smoothed = SmartBatchingTrainer(
+        model=tiny_llama(),
+        args=sgd_args(tmp_path / "smooth", label_smoothing_factor=0.1),
+        train_dataset=prompt_dataset(),
+        strategy="packed",
+        strategy_options={"capacity": 192},
+    )
+    smoothed.train()
+    assert smoothed._sb_target_logits is False
