@@ -146,3 +146,21 @@ def test_a_subclass_compute_loss_or_a_label_smoother_keeps_full_logits(tmp_path)
     )
     smoothed.train()
     assert smoothed._sb_target_logits is False
+
+
+def test_one_pass_cross_entropy_equals_torch_including_underflow_and_ignored_rows():
+    torch.manual_seed(2)
+    logits = (torch.randn(1, 9, VOCAB) * 4).requires_grad_()
+    labels = torch.randint(0, VOCAB, (1, 10))
+    labels[0, 3] = -100
+    with torch.no_grad():
+        logits[0, 0, 7] = 300.0  # a confident wrong prediction: its target's probability underflows to 0
+    labels[0, 1] = 8
+    keep = torch.arange(9)
+    ours = kept_token_loss_sum(logits, labels, keep)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    ref = token_loss_sum(torch.cat([logits, logits[:, -1:]], dim=1), labels)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert torch.isfinite(ours) and float(ours.detach()) > 290.0
+    assert torch.allclose(ours, ref, rtol=1e-6)
+    assert torch.allclose(g_ours, g_ref, atol=1e-6)
