@@ -1,8 +1,8 @@
 """Training throughput per batching strategy: real tokens per second under HF ``Trainer``, one run.
 
 Model: a Llama built from its config with random weights (hidden 256, 4 layers, 4 heads, MLP 768),
-fp32, ``--vocab`` tokens (default 8,192: SmolLM2 token ids are folded modulo the vocabulary so the
-LM head does not dominate a CPU run; ``--vocab 49152`` keeps SmolLM2's real vocabulary). Data: the
+fp32, with SmolLM2's vocabulary of 49,152 tokens (``--vocab 8192`` folds token ids modulo a smaller
+vocabulary, so that the LM head does not dominate a CPU run). Data: the
 first ``--examples`` GSM8K train records (``../shared/data/gsm8k/train.jsonl`` from the repository
 root), rendered question/answer as plain text by :mod:`smart_batching.formats`, tokenised with SmolLM2
 (GPT-2 when SmolLM2 is absent), loss on the answer only (``labels`` -100 on the question).
@@ -19,7 +19,9 @@ Strategies, all on the same examples, the same model initialisation and the same
 ``group_by_length``           ours: ``SmartBatchingTrainer``, HF's megabatch algorithm, padded
 ``token_budget``              ours: variable batch size under ``--batch-size x mean length x 1.25``
                               padded tokens
-``packed``                    ours: best-fit-decreasing packs of that many tokens, packed attention
+``packed``                    ours: packs of ``--batch-size x mean length`` tokens (so as many
+                              optimizer steps as the fixed batches, with as many real tokens each),
+                              packed attention
 ``packed_full_logits``        ``packed`` with ``target_logits_only=False``: the LM head on every
                               position, as HF computes it (ours compute it only where the loss looks)
 ============================  ===================================================================
@@ -183,7 +185,9 @@ def step_timer():
     return StepTimer()
 
 
-def run_strategy(name: str, ds: Any, opts: argparse.Namespace, budget: int, out_dir: str) -> dict[str, Any]:
+def run_strategy(
+    name: str, ds: Any, opts: argparse.Namespace, budget: int, capacity: int, out_dir: str
+) -> dict[str, Any]:
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -223,7 +227,7 @@ def run_strategy(name: str, ds: Any, opts: argparse.Namespace, budget: int, out_
         options = {
             "group_by_length": {"batch_size": opts.batch_size},
             "token_budget": {"max_tokens": budget},
-            "packed": {"capacity": budget},
+            "packed": {"capacity": capacity},
         }[base]
         settings = {**options, "target_logits_only": base == name}
         collator = CountingCollator(make_collator(base, pad_token_id=pad))
@@ -314,8 +318,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--data", type=Path, default=GSM8K)
     parser.add_argument("--examples", type=int, default=128)
     parser.add_argument("--steps", type=int, default=None, help="stop each strategy after N optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps at the start")
@@ -338,13 +342,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     # and at least the longest example.
     budget = max(int(opts.batch_size * data_info["mean_length"] * 1.25), data_info["max_length"])
     budget = -(-budget // 64) * 64
+    # Packs hold no padding: a fixed batch's real tokens on average, so the optimizer steps match.
+    capacity = max(int(opts.batch_size * data_info["mean_length"]), data_info["max_length"])
+    capacity = -(-capacity // 64) * 64
     env = environment()
-    log(f"data: {data_info}; token budget/capacity {budget}; {env}")
+    log(f"data: {data_info}; token budget {budget}, capacity {capacity}; {env}")
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in strategies:
             t0 = time.perf_counter()
-            record = run_strategy(name, ds, opts, budget, os.path.join(tmp, name))
+            record = run_strategy(name, ds, opts, budget, capacity, os.path.join(tmp, name))
             record.update(
                 model={"hidden": opts.hidden, "layers": opts.layers, "vocab": opts.vocab, "dtype": "float32"},
                 data=data_info,

@@ -71,7 +71,17 @@ def test_train_throughput_benchmark_smoke(capsys):
     spec.loader.exec_module(module)
     try:
         records = module.main(
-            ["--examples", "12", "--strategies", "hf_random,packed", "--json", "--warmup", "0"]
+            [
+                "--examples",
+                "12",
+                "--vocab",
+                "4096",
+                "--strategies",
+                "hf_random,packed",
+                "--json",
+                "--warmup",
+                "0",
+            ]
         )
     except Exception as exc:  # the SmolLM2/GPT-2 tokenizer packages may be missing
         if "MissingExtra" in type(exc).__name__:
