@@ -1,0 +1,149 @@
+"""Data for the HF integration: token lengths from Arrow offsets, the columns the collators read, the
+collator of a strategy, and a planned DataLoader for plain PyTorch / accelerate loops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from smart_batching.planners import make_spec
+from smart_batching.sampler import SegmentDataset, SmartBatchSampler
+
+# Columns the collators read; everything else (text, messages, ...) is left out of the fetch.
+MODEL_INPUT_COLUMNS = ("input_ids", "labels", "completion_mask", "prompt_length", "token_type_ids")
+
+
+def dataset_lengths(
+    dataset: Any, *, length_column: str | None = "length", input_column: str = "input_ids"
+) -> np.ndarray:
+    """Token length of every example, in dataset order: ``(num_examples,)`` int64.
+
+    A ``datasets.Dataset`` is read column-wise by :func:`smart_batching.lengths.lengths_from_dataset`:
+    its ``length_column`` when it has one, else the list lengths of ``input_column`` from the Arrow
+    offsets (no Python work per row; a ``select``/``shuffle`` index mapping is honoured). Any other
+    map-style dataset is read row by row (slow on big data: pass ``lengths=`` instead).
+
+    Raises:
+        DataError: the column is missing or holds no token counts.
+    """
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets ships with the hf extra
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        from smart_batching.lengths import lengths_from_dataset
+
+        columns = dataset.column_names
+        column = length_column if length_column and length_column in columns else input_column
+        return lengths_from_dataset(dataset, column)
+    n = len(dataset)
+    return np.fromiter((len(dataset[i][input_column]) for i in range(n)), dtype=np.int64, count=n)
+
+
+def model_input_dataset(dataset: Any) -> Any:
+    """``dataset`` restricted to the columns the collators read (``datasets.Dataset`` only)."""
+    names = getattr(dataset, "column_names", None)
+    if names is None or not hasattr(dataset, "select_columns"):
+        return dataset
+    keep = [c for c in names if c in MODEL_INPUT_COLUMNS]
+    return dataset if len(keep) == len(names) else dataset.select_columns(keep)
+
+
+def default_pad_token_id(processing_class: Any = None, model: Any = None) -> int:
+    """The tokenizer's pad token, else its EOS, else the model config's, else 0.
+
+    Padding positions are masked out of attention and loss, so the id only has to be a valid token.
+    """
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    config = getattr(model, "config", None)
+    for source in (tok, config):
+        for attr in ("pad_token_id", "eos_token_id"):
+            value = getattr(source, attr, None)
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if isinstance(value, int):
+                return value
+    return 0
+
+
+def make_collator(strategy: str, *, pad_token_id: int = 0, **options: Any) -> Callable:
+    """The collator a strategy needs: packing for ``packed``, padding (right side) otherwise.
+
+    Args:
+        strategy: A strategy name (``spec.name``).
+        pad_token_id: Written into padding positions (padded strategies only).
+        **options: Passed to the collator (e.g. ``pad_to_multiple_of=8``).
+    """
+    from smart_batching.collate import PackingCollator, PaddingCollator
+
+    if strategy == "packed":
+        return PackingCollator(**options)
+    return PaddingCollator(pad_token_id, **options)
+
+
+def smart_dataloader(
+    dataset: Any,
+    strategy: Any = "token_budget",
+    *,
+    lengths: Any = None,
+    seed: int = 0,
+    collate_fn: Callable | None = None,
+    pad_token_id: int = 0,
+    loader_cls: type = DataLoader,
+    **options: Any,
+) -> DataLoader:
+    """A DataLoader over planned batches, for plain PyTorch / accelerate loops.
+
+    Args:
+        dataset: A map-style dataset of tokenized examples (``input_ids`` and optional ``labels``...).
+        strategy: A strategy name or spec.
+        lengths: Token lengths; None reads them with :func:`dataset_lengths`.
+        seed: Planner seed.
+        collate_fn: None picks :func:`make_collator` for the strategy.
+        pad_token_id: For the padding collator.
+        loader_cls: ``DataLoader`` or ``torchdata.stateful_dataloader.StatefulDataLoader``.
+        **options: Strategy options (``max_tokens=``, ``capacity=``...) and DataLoader keywords
+            (``num_workers=``, ``pin_memory=``...): names a spec field are planner options.
+
+    Returns:
+        The DataLoader; ``loader.batch_sampler`` is the :class:`SmartBatchSampler`.
+    """
+    spec_fields = _spec_fields(strategy)
+    plan_options = {k: v for k, v in options.items() if k in spec_fields}
+    loader_options = {k: v for k, v in options.items() if k not in spec_fields}
+    if lengths is None:
+        lengths = dataset_lengths(dataset)
+    sampler = SmartBatchSampler(lengths, strategy, seed=seed, **plan_options)
+    data = model_input_dataset(dataset)
+    if sampler.yields_segments:
+        data = SegmentDataset(data)
+    if collate_fn is None:
+        collate_fn = make_collator(sampler.strategy, pad_token_id=pad_token_id)
+    return loader_cls(data, batch_sampler=sampler, collate_fn=collate_fn, **loader_options)
+
+
+def _spec_fields(strategy: Any) -> set[str]:
+    from dataclasses import fields
+
+    from smart_batching.planners import REGISTRY, PlannerSpec
+
+    if isinstance(strategy, PlannerSpec):
+        return set()
+    if strategy not in REGISTRY:
+        make_spec(strategy)  # raises the unknown-strategy error
+    return {f.name for f in fields(REGISTRY[strategy][0])}
+
+
+def _is_iterable(dataset: Any) -> bool:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        return isinstance(dataset, datasets.IterableDataset)
+    except ImportError:  # pragma: no cover - datasets is in the hf extra
+        return False

@@ -1,0 +1,121 @@
+"""The loss of a step in the Trainer: summed token losses over the target tokens of the whole step
+(accumulation micro-batches and ranks), for models with and without loss kwargs, and the LM head
+computed only at the target positions where that is exact."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from smart_batching.loss import count_target_tokens, kept_token_loss_sum, target_positions
+
+logger = logging.getLogger("smart_batching.hf")
+
+
+class TokenLossMixin:
+    """Trainer overrides for the loss; state (``_sb_token_loss``, ``sb_target_logits_only``) is set by
+    :meth:`~smart_batching.hf.SmartBatchingMixin.setup_smart_batching`."""
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list, Any]:
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._sb_token_loss is not None and batch_samples and "labels" in batch_samples[0]:
+            # Count with the same shift TokenLoss uses (Trainer's own count follows the model's loss_type).
+            n = count_target_tokens(
+                [b["labels"] for b in batch_samples], shift_labels=self._sb_token_loss.shift_labels
+            ).to(device)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                n = self.accelerator.gather(n).sum()
+            num_items = n
+        return batch_samples, num_items
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """``Trainer.compute_loss``, with the LM head computed only where the loss looks (training only).
+
+        The loss is the same sum of token cross-entropies over ``num_items_in_batch`` that the model
+        (or :class:`~smart_batching.loss.TokenLoss`) computes from full logits; see ``target_logits_only``
+        in :meth:`setup_smart_batching` for when this path is taken.
+        """
+        if not (
+            num_items_in_batch is not None
+            and "labels" in inputs
+            and getattr(model, "training", False)
+            and self._target_logits_apply(model)
+        ):
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        shifted = inputs.pop("shift_labels", None)  # labels already shifted by the collator
+        targets, shift = (labels, True) if shifted is None else (shifted, False)
+        keep = target_positions(targets, shift_labels=shift)
+        outputs = model(**inputs, logits_to_keep=keep)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        total = kept_token_loss_sum(logits, targets, keep, shift_labels=shift)
+        loss = total / torch.as_tensor(num_items_in_batch, device=total.device, dtype=total.dtype)
+        if self.args.average_tokens_across_devices:
+            # As Trainer.compute_loss: num_items_in_batch counts every rank's tokens, DDP averages gradients.
+            loss_scale = self.accelerator.num_processes // self.get_tp_size()
+            loss = loss * (loss_scale if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return (loss, outputs) if return_outputs else loss
+
+    def _target_logits_apply(self, model: Any) -> bool:
+        """Whether the target-only-logits loss is exact for this trainer and model (decided once)."""
+        if self._sb_target_logits is None:
+            self._sb_target_logits = self._decide_target_logits(model)
+            if self._sb_target_logits:
+                logger.info("smart batching: the LM head runs only at target positions (target_logits_only)")
+        return self._sb_target_logits
+
+    def _decide_target_logits(self, model: Any) -> bool:
+        import inspect
+
+        if not self.sb_target_logits_only or self.label_smoother is not None:
+            return False
+        token_loss = self.compute_loss_func is None and self.model_accepts_loss_kwargs
+        ours = self._sb_token_loss is not None and self.compute_loss_func is self._sb_token_loss
+        if not (token_loss or ours) or (ours and not self._sb_token_loss.shift_labels):
+            return False
+        # A subclass's compute_loss (e.g. TRL's SFTTrainer, which reads full logits for its metrics) wins.
+        mro = type(self).__mro__
+        after = mro[mro.index(TokenLossMixin) + 1 :]
+        first = next((c for c in after if "compute_loss" in vars(c)), None)
+        if first is not Trainer:
+            return False
+        unwrapped = self.accelerator.unwrap_model(model)
+        config = getattr(unwrapped, "config", None)
+        if getattr(config, "output_router_logits", False) or not _detect_shift_labels(self):
+            return False
+        try:
+            params = inspect.signature(unwrapped.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and getattr(pc, "sp_enabled", False):
+            return False
+        return "logits_to_keep" in params
+
+
+def _detect_shift_labels(trainer: Any) -> bool:
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    # Subclasses of a causal LM (a wrapper with a narrower forward) shift like their parent.
+    return any(c.__name__ in causal or c.__name__.endswith("ForCausalLM") for c in type(model).__mro__)

@@ -1,0 +1,228 @@
+"""Epochs and resume in the Trainer: the sampler cursor saved with each checkpoint, checked against
+where Trainer resumes; stream cursors for streamed data; epochs whose batch count differs from the
+first; and the process group released before interpreter exit."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from smart_batching.errors import ConfigError
+
+logger = logging.getLogger("smart_batching.hf")
+
+SAMPLER_STATE_NAME = "smart_batching_sampler.json"
+"""File name of the sampler cursor inside a Trainer checkpoint folder."""
+
+
+class ResumeMixin:
+    """Trainer overrides for epochs, checkpoints and resume; state (``sb_sampler``, ``sb_stream``,
+    ``_sb_*``) is set by :meth:`~smart_batching.hf.SmartBatchingMixin.setup_smart_batching`."""
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list, Any]:
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._sb_consumed += len(batch_samples)  # micro-batches trained, for the checkpoint's cursor
+        return batch_samples, num_items
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if self.args.world_size > 1:
+            _release_at_exit(self)
+        checkpoint = resume_from_checkpoint
+        if isinstance(checkpoint, bool):
+            checkpoint = get_last_checkpoint(self.args.output_dir) if checkpoint else None
+        self._sb_resume_state = read_sampler_state(checkpoint) if checkpoint else None
+        self._sb_resume_checked = self._sb_resume_state is None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        # transformers 5.x calls _run_epoch with keywords only.
+        if self.sb_stream is not None:
+            return self._run_stream_epoch(*args, **kwargs)
+        epoch = kwargs["epoch"]
+        resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
+        skipped = (
+            kwargs.get("steps_trained_in_current_epoch", 0)
+            if resuming and not self.args.ignore_data_skip
+            else 0
+        )
+        if not self._sb_resume_checked:
+            self._check_resume_position(epoch, skipped)
+        self._sb_epoch, self._sb_consumed = epoch, skipped
+        if self.sb_sampler is not None and "steps_in_epoch" in kwargs:
+            num_batches = self._local_batches(epoch)
+            if num_batches != kwargs["steps_in_epoch"]:
+                # Trainer sized every epoch on the first; run this one to its real end instead of cutting it.
+                logger.warning(
+                    "epoch %d has %d batches, Trainer expected %d; running all of them",
+                    epoch,
+                    num_batches,
+                    kwargs["steps_in_epoch"],
+                )
+                ga = self.args.gradient_accumulation_steps
+                kwargs["steps_in_epoch"] = num_batches
+                kwargs["num_update_steps_per_epoch"] = max(math.ceil(num_batches / ga), 1)
+        return super()._run_epoch(*args, **kwargs)
+
+    def _run_stream_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """One pass over a streamed ``train_dataset``.
+
+        A stream has no length, so Trainer counts every pass as ``max_steps`` long and would resume by
+        skipping ``global_step × gradient_accumulation_steps`` batches of pass 0, the wrong place once a
+        pass has ended. The checkpoint's stream cursor (pass, micro-batches consumed) says where to go on.
+        """
+        epoch = kwargs["epoch"]
+        skipped = 0
+        if not self._sb_resume_checked:
+            self._sb_resume_checked = True
+            state = self._sb_resume_state
+            if state is not None and not self.args.ignore_data_skip:
+                self._check_stream_state(state)
+                self._sb_stream_offset = int(state["epoch"]) - epoch
+                skipped = kwargs["steps_trained_in_current_epoch"] = int(state["batches_yielded"])
+            elif kwargs.get("resume_from_checkpoint") is not None and not self.args.ignore_data_skip:
+                logger.warning(
+                    "the checkpoint has no stream cursor (%s): Trainer skips %d batches of the first pass",
+                    SAMPLER_STATE_NAME,
+                    kwargs.get("steps_trained_in_current_epoch", 0),
+                )
+                skipped = kwargs.get("steps_trained_in_current_epoch", 0)
+        self._sb_epoch, self._sb_consumed = epoch + self._sb_stream_offset, skipped
+        # A plain DataLoader (or accelerate's skipping copy of it on resume) has no set_epoch.
+        self.sb_stream.set_epoch(self._sb_epoch)
+        return super()._run_epoch(*args, **kwargs)
+
+    def _stream_state(self) -> dict[str, Any]:
+        return {
+            "kind": "stream",
+            "strategy": self.sb_spec.name,
+            "spec": repr(self.sb_spec),
+            "seed": self.sb_seed,
+            "buffer_size": self.sb_streaming_buffer,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "num_processes": self.accelerator.num_processes,
+            "epoch": self._sb_epoch,
+            "batches_yielded": self._sb_consumed,
+        }
+
+    def _check_stream_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != "stream":
+            raise ConfigError(
+                "the checkpoint was trained on a map-style dataset and this run streams its train_dataset; resume "
+                "with the original dataset, or set ignore_data_skip=True to restart the data order"
+            )
+        now = self._stream_state()
+        for key in (
+            "num_processes",
+            "strategy",
+            "spec",
+            "seed",
+            "buffer_size",
+            "gradient_accumulation_steps",
+        ):
+            if state.get(key) != now[key]:
+                raise ConfigError(
+                    f"the checkpoint's stream was planned with {key}={state.get(key)!r} and this run has "
+                    f"{now[key]!r}: the stream would be batched differently. Resume with the original setting, "
+                    "or set ignore_data_skip=True to restart the data order"
+                )
+
+    def _local_batches(self, epoch: int) -> int:
+        """Micro-batches this process gets in ``epoch``: all of the plan on one process; with several, its
+        share of the balanced plan (the same number on every rank, whatever re-forming the balancer did)."""
+        sampler = self.sb_sampler
+        if hasattr(sampler, "distributed_plan"):
+            return sampler.distributed_plan(epoch).num_steps * sampler.accum_steps
+        return len(sampler.plan_for_epoch(epoch))
+
+    def _check_resume_position(self, epoch: int, skipped: int) -> None:
+        self._sb_resume_checked = True
+        state = self._sb_resume_state
+        if state is None:
+            return
+        saved_world = state.get("num_processes", 1)
+        if saved_world != self.accelerator.num_processes:
+            raise ConfigError(
+                f"the checkpoint was trained on {saved_world} processes and this run has "
+                f"{self.accelerator.num_processes}: the world size changed, so each process would see other "
+                "batches. Resume with the original number of processes, or set ignore_data_skip=True"
+            )
+        if self.args.ignore_data_skip:
+            return
+        saved = (int(state["epoch"]), int(state["batches_yielded"]))
+        if saved != (epoch, skipped):
+            raise ConfigError(
+                f"the checkpoint's sampler cursor says training consumed {saved[1]} batches of epoch {saved[0]}, "
+                f"but Trainer would resume after {skipped} batches of epoch {epoch}: gradient_accumulation_steps or "
+                "the number of batches per epoch changed. Resume with the original settings, or set "
+                "ignore_data_skip=True to restart the data order"
+            )
+
+    def sampler_state(self) -> dict[str, Any] | None:
+        """The cursor of the batches this process consumed (not the ones the DataLoader prefetched).
+
+        ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it.
+        """
+        if self.sb_stream is not None:
+            return self._stream_state()
+        if self.sb_sampler is None:
+            return None
+        state = self.sb_sampler.state_dict()
+        epoch, consumed = self._sb_epoch, self._sb_consumed
+        if consumed >= self._local_batches(epoch):
+            epoch, consumed = epoch + 1, 0
+        state.update(epoch=epoch, batches_yielded=consumed, num_processes=self.accelerator.num_processes)
+        return state
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        state = self.sampler_state()
+        if state is None or not self.args.should_save:
+            return
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        if os.path.isdir(folder):
+            with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as f:
+                json.dump(state, f, indent=1)
+
+
+_EXITING_TRAINERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release_at_exit(trainer: Any) -> None:
+    """At interpreter exit, drop ``trainer``'s DDP/FSDP wrappers and destroy the process group while
+    Python is still alive: a gloo group left to finalisation can abort the process
+    (see :func:`smart_batching.distributed.shutdown`)."""
+    atexit.unregister(_release_trainers)  # registered once, however many trainers
+    atexit.register(_release_trainers)
+    _EXITING_TRAINERS.add(trainer)
+
+
+def _release_trainers() -> None:
+    from smart_batching.distributed import shutdown
+
+    for trainer in list(_EXITING_TRAINERS):
+        trainer.accelerator.free_memory()  # its references to the prepared (wrapped) model and optimizer
+        trainer.model_wrapped = trainer.model
+    _EXITING_TRAINERS.clear()
+    shutdown()
+
+
+def read_sampler_state(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+    """The sampler cursor saved in a checkpoint folder, or None when it has none."""
+    path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

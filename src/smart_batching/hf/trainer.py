@@ -1,0 +1,372 @@
+"""The Trainer integration: :class:`SmartBatchingTrainer`, :func:`with_smart_batching` and
+:func:`apply_smart_batching`; the train DataLoader on planned batches (map-style, streamed, several
+processes). Loss and resume overrides live in :mod:`.loss` and :mod:`.resume`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.trainer_utils import seed_worker
+
+from smart_batching.errors import ConfigError
+from smart_batching.hf.data import (
+    _is_iterable,
+    dataset_lengths,
+    default_pad_token_id,
+    make_collator,
+    model_input_dataset,
+)
+from smart_batching.hf.loss import TokenLossMixin, _detect_shift_labels
+from smart_batching.hf.packed_model import prepare_packed_model
+from smart_batching.hf.resume import ResumeMixin
+from smart_batching.loss import TokenLoss
+from smart_batching.planners import make_spec
+from smart_batching.sampler import SegmentDataset, SmartBatchSampler
+
+logger = logging.getLogger("smart_batching.hf")
+
+
+class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
+    """Overrides that make a ``transformers.Trainer`` (or subclass) train on planned batches.
+
+    Use :class:`SmartBatchingTrainer`, :func:`with_smart_batching` or :func:`apply_smart_batching`; the
+    options are described on :meth:`setup_smart_batching`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        strategy: Any = "token_budget",
+        strategy_options: Mapping[str, Any] | None = None,
+        lengths: Any = None,
+        length_column: str | None = "length",
+        seed: int | None = None,
+        packed_attention: bool = True,
+        shift_labels: bool | None = None,
+        streaming_buffer_size: int = 10_000,
+        target_logits_only: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        user_collator = kwargs.get("data_collator") is not None
+        super().__init__(*args, **kwargs)
+        self.setup_smart_batching(
+            strategy,
+            strategy_options=strategy_options,
+            lengths=lengths,
+            length_column=length_column,
+            seed=seed,
+            packed_attention=packed_attention,
+            shift_labels=shift_labels,
+            replace_collator=not user_collator,
+            streaming_buffer_size=streaming_buffer_size,
+            target_logits_only=target_logits_only,
+        )
+
+    def setup_smart_batching(
+        self,
+        strategy: Any = "token_budget",
+        *,
+        strategy_options: Mapping[str, Any] | None = None,
+        lengths: Any = None,
+        length_column: str | None = "length",
+        seed: int | None = None,
+        packed_attention: bool = True,
+        shift_labels: bool | None = None,
+        replace_collator: bool = True,
+        streaming_buffer_size: int = 10_000,
+        target_logits_only: bool = True,
+    ) -> None:
+        """Configure smart batching on an initialised trainer.
+
+        Args:
+            strategy: A strategy name (``"random"``, ``"group_by_length"``, ``"token_budget"``,
+                ``"packed"``, ``"max_length"``) or a spec.
+            strategy_options: The spec's fields, e.g. ``{"max_tokens": 16384}`` or ``{"capacity": 4096}``.
+                Batch sizes come from here; ``per_device_train_batch_size`` is not used for training.
+            lengths: Token lengths of ``train_dataset``; None reads the ``length_column`` or the
+                ``input_ids`` list lengths.
+            length_column: Column holding precomputed lengths (None: always use ``input_ids``).
+            seed: Planner seed; None uses ``args.data_seed``, else ``args.seed``.
+            packed_attention: For ``packed``: switch the model to packed attention (see
+                :func:`prepare_packed_model`); False only checks that the model is safe.
+            shift_labels: Causal-LM label shift for the token count of :class:`~smart_batching.loss.TokenLoss`
+                (used only for models whose forward takes no loss kwargs); None detects it.
+            replace_collator: Install the strategy's collator as ``data_collator``.
+            streaming_buffer_size: Examples planned at a time when ``train_dataset`` is streamed (an
+                HF or torch ``IterableDataset``); see :mod:`smart_batching.streaming`.
+            target_logits_only: In training, have a causal LM compute its LM head only at the positions
+                whose logits are scored (``logits_to_keep=``; prompt, padding and example-boundary
+                positions are skipped) and take the token loss there: the same loss and gradients,
+                less work where the vocabulary is large. Used only where it is exact: a model whose
+                ``forward`` takes ``logits_to_keep``, the token-normalised loss (no label smoother, no
+                ``compute_loss_func`` of yours, no ``compute_loss`` override in a subclass such as
+                TRL's ``SFTTrainer``), no router auxiliary loss.
+
+        Raises:
+            ConfigError: bad strategy options, or (``packed``) a model that would leak attention.
+        """
+        args = self.args
+        options = dict(strategy_options or {})
+        if "auto" in (options.get("max_tokens"), options.get("capacity")):
+            options = self._resolve_auto_budget(strategy, options, lengths, length_column)
+        self.sb_spec = make_spec(strategy, **options)
+        self.sb_seed = int(
+            seed if seed is not None else args.data_seed if args.data_seed is not None else args.seed
+        )
+        self.sb_lengths = lengths
+        self.sb_streaming_buffer = int(streaming_buffer_size)
+        self.sb_target_logits_only = bool(target_logits_only)
+        self._sb_target_logits: bool | None = None  # decided on the first training step
+        self.sb_length_column = length_column
+        self.sb_sampler: SmartBatchSampler | None = None
+        self.sb_stream: Any = None  # the StreamingBatchDataset of a streamed train_dataset
+        self.sb_even_steps: Any = None  # its lockstep wrapper on several processes
+        self._sb_resume_state: dict[str, Any] | None = None
+        self._sb_resume_checked = True
+        self._sb_epoch = 0
+        self._sb_consumed = 0
+        self._sb_stream_offset = 0  # stream pass = Trainer epoch + this, after a resume
+
+        if replace_collator:
+            pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
+            self.data_collator = make_collator(self.sb_spec.name, pad_token_id=pad)
+
+        if self.sb_spec.name == "packed":
+            from smart_batching.attention import install_packed_guard
+
+            prepare_packed_model(self.model, packed_attention=packed_attention)
+            if getattr(self, "_sb_guard", None) is None:
+                self._sb_guard = install_packed_guard(self.model)
+
+        # Token-normalised loss for models that cannot take num_items_in_batch themselves.
+        self._sb_token_loss: TokenLoss | None = None
+        if (
+            not self.model_accepts_loss_kwargs
+            and self.compute_loss_func is None
+            and self.label_smoother is None
+        ):
+            shift = _detect_shift_labels(self) if shift_labels is None else shift_labels
+            self._sb_token_loss = TokenLoss(shift_labels=shift)
+            self.compute_loss_func = self._sb_token_loss
+
+        if args.train_sampling_strategy not in ("random", None):
+            logger.warning(
+                "train_sampling_strategy=%r is ignored: smart batching plans the batches (strategy %r)",
+                args.train_sampling_strategy,
+                self.sb_spec.name,
+            )
+        if args.dataloader_drop_last:
+            logger.warning(
+                "dataloader_drop_last is ignored: set drop_last in strategy_options where the strategy has it"
+            )
+
+    # -- data ---------------------------------------------------------------------------------------
+
+    def _resolve_auto_budget(
+        self, strategy: Any, options: dict[str, Any], lengths: Any, length_column: str | None
+    ) -> dict[str, Any]:
+        """``max_tokens="auto"`` / ``capacity="auto"``: the largest budget whose costliest batch trains
+        within memory (:func:`smart_batching.autotune.find_max_tokens`). ``memory_cap_bytes`` (required on
+        CPU) caps the peak; ``tokens_per_step`` keeps the tokens of an optimizer step constant by setting
+        ``gradient_accumulation_steps``."""
+        from smart_batching.autotune import accumulation_steps_for, find_max_tokens
+
+        key = "max_tokens" if options.get("max_tokens") == "auto" else "capacity"
+        cap = options.pop("memory_cap_bytes", None)
+        per_step = options.pop("tokens_per_step", None)
+        candidates = options.pop("auto_candidates", None)
+        if lengths is None:
+            lengths = dataset_lengths(self.train_dataset, length_column=length_column)
+        args = self.args
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        extra = {"candidates": candidates} if candidates else {}
+        plan_options = {k: v for k, v in options.items() if k != key}
+        budget = find_max_tokens(
+            self.model, lengths, getattr(strategy, "name", strategy), memory_cap_bytes=cap,
+            autocast_dtype=dtype, **extra, **plan_options,
+        )  # fmt: skip
+        options[key] = budget
+        if per_step:
+            args.gradient_accumulation_steps = accumulation_steps_for(int(per_step), budget)
+        logger.info("smart batching: %s=auto resolved to %d tokens", key, budget)
+        self.sb_auto_budget = budget
+        return options
+
+    def make_train_sampler(self) -> SmartBatchSampler:
+        """A fresh sampler over ``train_dataset`` (epoch 0, cursor 0).
+
+        With several processes it is a :class:`~smart_batching.distributed_sampler.DistributedSmartBatchSampler`:
+        every rank computes the same balanced plan and iterates its own micro-batches,
+        ``gradient_accumulation_steps`` per optimizer step, with equal token counts across ranks.
+        """
+        lengths = self.sb_lengths
+        if lengths is None:
+            lengths = dataset_lengths(self.train_dataset, length_column=self.sb_length_column)
+        args = self.args
+        if args.world_size > 1:
+            from smart_batching.distributed import World
+            from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+
+            sampler = DistributedSmartBatchSampler(
+                lengths,
+                self.sb_spec,
+                world=World(args.process_index, args.world_size),
+                accum_steps=args.gradient_accumulation_steps,
+                seed=self.sb_seed,
+            )
+            if sampler.distributed_plan().num_empty_slots:
+                raise ConfigError(
+                    f"the dataset has too few examples for {args.world_size} processes × "
+                    f"{args.gradient_accumulation_steps} accumulation steps: some micro-batches would be empty. "
+                    "Lower gradient_accumulation_steps= or the number of processes."
+                )
+            return sampler
+        return SmartBatchSampler(lengths, self.sb_spec, seed=self.sb_seed)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if _is_iterable(self.train_dataset):
+            return self._streaming_dataloader()
+        sampler = self.make_train_sampler()
+        if self._sb_resume_state is not None:
+            sampler.check_state_dict(self._sb_resume_state)
+        self.sb_sampler = sampler
+        from smart_batching.collate import PaddingCollator
+
+        if self.sb_spec.name == "max_length" and isinstance(self.data_collator, PaddingCollator):
+            # "Longest Sequence" padding: every row padded to the planned width, not the batch's longest.
+            plan = sampler.plan
+            if len(plan):
+                self.data_collator.pad_to_multiple_of = int(plan.batch_width[0])
+
+        dataset = model_input_dataset(self.train_dataset)
+        if sampler.yields_segments:
+            dataset = SegmentDataset(dataset)
+        args = self.args
+        params: dict[str, Any] = {
+            "batch_sampler": sampler,
+            "collate_fn": self.data_collator,
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "worker_init_fn": partial(
+                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+            ),
+        }
+        if args.dataloader_num_workers > 0:
+            params["prefetch_factor"] = args.dataloader_prefetch_factor
+            params["multiprocessing_context"] = args.dataloader_multiprocessing_context
+            params["in_order"] = getattr(args, "dataloader_in_order", True)
+        loader = self.accelerator.prepare(DataLoader(dataset, **params))
+        if args.world_size > 1:
+            # Our batches are already this rank's share of a balanced plan: make accelerate's
+            # BatchSamplerShard a passthrough, as transformers does for its own rank-aware sampler.
+            shard = getattr(loader, "batch_sampler", None)
+            if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+                shard.num_processes = 1
+                shard.process_index = 0
+        return loader
+
+    def _streaming_dataloader(self) -> DataLoader:
+        """A streamed ``train_dataset`` (HF ``IterableDataset`` or torch ``IterableDataset``): batches are
+        planned online over a bounded buffer (:mod:`smart_batching.streaming`); ``streaming_buffer_size``
+        examples at a time (default 10,000). Needs ``max_steps`` (the stream has no length).
+
+        On several processes each rank plans its own shard of the stream (``split_dataset_by_node`` for an
+        HF stream, every ``world_size``-th example otherwise), and :class:`~smart_batching.even_steps.EvenSteps`
+        keeps the ranks in lockstep: a rank whose shard ends first trains null batches (every label -100,
+        no loss, no gradient) until the last rank's shard ends, so every example is used once and no
+        collective waits forever. The last optimizer step of a pass is filled up with null batches to
+        ``gradient_accumulation_steps`` micro-batches (the Trainer cannot shorten it: a stream has no
+        length), so no micro-batch's gradient spills into the next pass."""
+        from smart_batching.streaming import StreamingBatchDataset
+
+        args = self.args
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ConfigError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
+        dataset = StreamingBatchDataset(
+            self.train_dataset,
+            self.sb_spec,
+            buffer_size=self.sb_streaming_buffer,
+            seed=self.sb_seed,
+            rank=args.process_index,
+            world_size=args.world_size,
+            collate_fn=self.data_collator,
+        )
+        self.sb_sampler = None
+        self.sb_stream = dataset
+        # Not passed through accelerator.prepare: the dataset shards itself, and accelerate's
+        # IterableDataset wrappers would re-shard and re-batch our already collated batches. Trainer
+        # moves them to the device in _prepare_inputs.
+        loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
+        from smart_batching.even_steps import EvenSteps
+
+        self.sb_even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
+        return DataLoader(self.sb_even_steps, batch_size=None, num_workers=0)
+
+
+class SmartBatchingTrainer(SmartBatchingMixin, Trainer):
+    """``transformers.Trainer`` that trains on planned batches.
+
+    Takes every ``Trainer`` argument plus the keyword-only options of
+    :meth:`SmartBatchingMixin.setup_smart_batching`: ``strategy``, ``strategy_options``, ``lengths``,
+    ``length_column``, ``seed``, ``packed_attention``, ``shift_labels``. A ``data_collator`` you pass is
+    kept (it must honour ``segment_start``/``segment_length`` when the strategy truncates or splits).
+    """
+
+
+_MIXED: dict[type, type] = {}
+
+
+def with_smart_batching(trainer_cls: type) -> type:
+    """A subclass of ``trainer_cls`` (e.g. TRL's ``SFTTrainer``) with the smart-batching overrides."""
+    if issubclass(trainer_cls, SmartBatchingMixin):
+        return trainer_cls
+    if trainer_cls not in _MIXED:
+        _MIXED[trainer_cls] = type(
+            f"SmartBatching{trainer_cls.__name__}", (SmartBatchingMixin, trainer_cls), {}
+        )
+    return _MIXED[trainer_cls]
+
+
+def apply_smart_batching(trainer: Any, strategy: Any = "token_budget", **options: Any) -> Any:
+    """Switch an existing trainer to planned batches, in place.
+
+    The trainer's class is swapped for :func:`with_smart_batching` of it, so its own overrides (e.g.
+    ``SFTTrainer.compute_loss``) stay in force. Call it before ``trainer.train()``.
+
+    Args:
+        trainer: A ``transformers.Trainer`` (or subclass) instance.
+        strategy: A strategy name or spec.
+        **options: ``strategy_options=``, ``lengths=``, ``seed=``, ... as in
+            :meth:`SmartBatchingMixin.setup_smart_batching`, or the strategy's own fields directly
+            (``max_tokens=16384``).
+
+    Returns:
+        The same trainer.
+    """
+    setup_keys = {
+        "strategy_options",
+        "lengths",
+        "length_column",
+        "seed",
+        "packed_attention",
+        "shift_labels",
+        "replace_collator",
+        "streaming_buffer_size",
+        "target_logits_only",
+    }
+    setup = {k: v for k, v in options.items() if k in setup_keys}
+    spec_options = {k: v for k, v in options.items() if k not in setup_keys}
+    if spec_options:
+        setup["strategy_options"] = {**dict(setup.get("strategy_options") or {}), **spec_options}
+    trainer.__class__ = with_smart_batching(type(trainer))
+    trainer.setup_smart_batching(strategy, **setup)
+    return trainer
