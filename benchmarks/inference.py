@@ -5,7 +5,9 @@ the median kept, so load from other processes hits all of them alike):
 
 * ``generate``: SmolLM2-135M-Instruct (dequantised GGUF, fp32 on CPU) answering the first
   ``--num-prompts`` GSM8K test questions (chat template, greedy, ``--max-new-tokens``).
-  ``smart_batching`` (:func:`smart_batching.inference.generate`, token budget ``--max-tokens``) vs
+  ``smart_batching`` (:func:`smart_batching.inference.generate`, token budget ``--max-tokens``,
+  continuous batching), ``smart_batching_planned`` (the same plan through ``model.generate``, each
+  batch until its longest answer: the ablation of continuous batching) vs
   ``naive_bs{B}`` (fixed batches of B in input order, left padding, ``model.generate``) at
   ``--batch-size`` and at the largest fixed B whose worst batch fits the same token budget
   (``naive_same_memory``), and ``hf_pipeline_bs{B}`` (``pipeline("text-generation", batch_size=B)``).
@@ -220,6 +222,8 @@ def bench_generate(args: argparse.Namespace, model: Any, tok: Any) -> list[dict[
         "smart_batching_prefix_sharing": smart(
             "smart_batching_prefix_sharing", prefix_sharing=True, min_prefix=16
         ),
+        # Ablation: the same token-budget plan through model.generate, each batch until its longest.
+        "smart_batching_planned": smart("smart_batching_planned", continuous_batching=False),
         f"naive_bs{args.batch_size}": lambda: naive_generate(model, tok, ids, args.batch_size, new),
     }
     if same_memory_bs != args.batch_size:
@@ -255,6 +259,8 @@ def bench_generate(args: argparse.Namespace, model: Any, tok: Any) -> list[dict[
                 "num_batches": s.num_batches if s else -(-len(prompts) // bs),
                 "padding_ratio": s.padding_ratio if s else _naive_padding(ids, bs),
                 "prefill_tokens_saved": s.prefill_tokens_saved if s else 0,
+                "continuous_batching": s.continuous_batching if s else False,
+                "mean_decode_rows": s.mean_decode_rows if s else None,
                 "prompt_tokens": sum(map(len, ids)),
                 "same_text_as_smart": float(
                     np.mean([a.strip() == b.strip() for a, b in zip(texts, ref_texts, strict=True)])

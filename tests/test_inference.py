@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -114,7 +115,7 @@ def _alone(model, ids: list[int], eos: int) -> list[int]:
 
 
 def _record_batches(model, monkeypatch) -> list[tuple[int, int]]:
-    """Record (rows, width) of every generate call."""
+    """Record (rows, width) of every ``model.generate`` call."""
     shapes: list[tuple[int, int]] = []
     real = model.generate
 
@@ -126,20 +127,51 @@ def _record_batches(model, monkeypatch) -> list[tuple[int, int]]:
     return shapes
 
 
+def _record_forwards(model, monkeypatch) -> list[tuple[int, int, int]]:
+    """Record (rows, input tokens per row, attention-mask width) of every forward pass: prefills have
+    more than one input token per row (or a mask as wide as the input), decode steps one."""
+    calls: list[tuple[int, int, int]] = []
+    real = model.forward
+
+    @functools.wraps(real)  # keeps the signature generate() inspects
+    def spy(*args, **kwargs):
+        rows, width = kwargs["input_ids"].shape
+        mask = kwargs.get("attention_mask")
+        calls.append((rows, width, mask.shape[1] if mask is not None else width))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    return calls
+
+
+def _is_prefill(call: tuple[int, int, int]) -> bool:
+    return call[1] > 1 or call[1] == call[2]
+
+
 # --------------------------------------------------------------------------------------------------
 # generate
 # --------------------------------------------------------------------------------------------------
 
 
-def test_generate_greedy_equals_one_at_a_time(llama, tok, monkeypatch):
+@pytest.mark.parametrize("continuous", [None, False])
+def test_generate_greedy_equals_one_at_a_time(llama, tok, monkeypatch, continuous):
     prompts = _sentences(14)
-    shapes = _record_batches(llama, monkeypatch)
-    result = generate(llama, tok, prompts, max_new_tokens=MAX_NEW, max_tokens=400, progress=False)
+    calls = _record_forwards(llama, monkeypatch)
+    result = generate(
+        llama,
+        tok,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        max_tokens=400,
+        continuous_batching=continuous,
+        progress=False,
+    )
     monkeypatch.undo()
-    # Not vacuous: several multi-row batches with padding, each within the budget.
+    assert result.stats.continuous_batching is (continuous is None)
+    # Not vacuous: several multi-row prefills with padding; every forward pass within the budget.
     assert 1 < result.stats.num_batches < len(prompts)
-    assert max(rows for rows, _ in shapes) > 1 and result.stats.padding_ratio > 0
-    assert all(rows * (width + MAX_NEW) <= 400 for rows, width in shapes)
+    assert max(rows for rows, *_ in filter(_is_prefill, calls)) > 1 and result.stats.padding_ratio > 0
+    assert all(rows * mask_width <= 400 for rows, _, mask_width in calls)
     eos = tok.eos_token_id
     for p, got, text, n_prompt in zip(
         prompts, result.token_ids, result.texts, result.prompt_lengths, strict=True
@@ -151,6 +183,7 @@ def test_generate_greedy_equals_one_at_a_time(llama, tok, monkeypatch):
     s = result.stats
     assert s.num_prompts == len(prompts) and s.generated_tokens == sum(map(len, result.token_ids))
     assert s.prompts_per_s > 0 and s.generated_tokens_per_s > 0 and s.prefill_tokens_saved == 0
+    assert s.num_decode_steps > 0 and s.mean_decode_rows > 1
 
 
 def test_generate_restores_order_of_token_id_prompts(llama, tok):
@@ -174,6 +207,7 @@ def test_generate_expected_output_lengths_same_tokens_bucketed(llama, tok, monke
         max_new_tokens=MAX_NEW,
         max_tokens=4000,
         expected_output_lengths=expected,
+        continuous_batching=False,  # the buckets shape model.generate's batches only
         progress=False,
     )
     assert bucketed.token_ids == base.token_ids
@@ -184,9 +218,11 @@ def test_generate_expected_output_lengths_same_tokens_bucketed(llama, tok, monke
 
 def test_generate_over_budget_prompt_runs_alone(llama, tok, monkeypatch):
     prompts = ["a b c", " ".join(WORDS * 3), "d e"]
-    shapes = _record_batches(llama, monkeypatch)
+    calls = _record_forwards(llama, monkeypatch)
     result = generate(llama, tok, prompts, max_new_tokens=4, max_tokens=40, progress=False)
-    assert len(result.token_ids) == 3 and (1, len(tok(prompts[1])["input_ids"])) in shapes
+    n_long = len(tok(prompts[1])["input_ids"])
+    assert len(result.token_ids) == 3 and (1, n_long, n_long) in calls
+    assert all(rows == 1 for rows, _, width in calls if width >= n_long)  # nothing joined it
 
 
 def test_generate_chat_messages_use_the_template(llama, tok):
@@ -212,6 +248,89 @@ def test_generate_rejects_bad_settings(llama, tok):
         generate(llama, tok, ["a"], num_return_sequences=2, progress=False)
     with pytest.raises(DataError, match="prompt 0 has no tokens"):
         generate(llama, tok, [""], progress=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# continuous batching (the greedy decode loop)
+# --------------------------------------------------------------------------------------------------
+
+
+def _alone_eos(model, ids: list[int], eos: int, max_new: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos
+    )[0, len(ids) :].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def _common_token(outputs: list[list[int]]) -> int:
+    """A token that some outputs produce (at different steps) and others never: as end-of-sequence
+    token, rows end at different times."""
+    counts: dict[int, int] = {}
+    for row in outputs:
+        for t in set(row[1:-2]):  # ending at least two tokens early
+            counts[t] = counts.get(t, 0) + 1
+    return max((c, t) for t, c in counts.items() if c < len(outputs))[1]
+
+
+def test_continuous_rows_end_at_different_times_and_queued_prompts_join(llama, tok, monkeypatch):
+    prompts = _sentences(16, seed=8)
+    free = generate(llama, tok, prompts, max_new_tokens=MAX_NEW, progress=False).token_ids
+    stop = _common_token(free)
+    calls = _record_forwards(llama, monkeypatch)
+    result = generate(
+        llama, tok, prompts, max_new_tokens=MAX_NEW, max_tokens=300, eos_token_id=stop, progress=False
+    )
+    monkeypatch.undo()
+    lens = [len(r) for r in result.token_ids]
+    assert min(lens) < max(lens) == MAX_NEW  # not vacuous: rows ended at different steps
+    for p, got in zip(prompts, result.token_ids, strict=True):
+        assert got == _alone_eos(llama, tok(p)["input_ids"], stop, MAX_NEW)
+        assert len(got) == MAX_NEW or got[-1] == stop  # ends at the first stop token or the limit
+        assert stop not in got[:-1]
+    # Rows left the batch as they ended, and queued prompts were prefilled while others kept decoding.
+    decode_rows = [rows for rows, width, _ in calls if width == 1]
+    assert any(b < a for a, b in zip(decode_rows, decode_rows[1:], strict=False))
+    joined = [k for k in range(1, len(calls) - 1) if _is_prefill(calls[k]) and not _is_prefill(calls[k - 1])]
+    assert joined and any(calls[k + 1][0] > calls[k][0] for k in joined if not _is_prefill(calls[k + 1]))
+    assert all(rows * mask_width <= 300 for rows, _, mask_width in calls)
+    s = result.stats
+    assert s.continuous_batching and s.num_decode_steps < MAX_NEW * s.num_batches
+    planned = generate(
+        llama,
+        tok,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        max_tokens=300,
+        eos_token_id=stop,
+        continuous_batching=False,
+        progress=False,
+    )
+    assert planned.token_ids == result.token_ids
+
+
+def test_continuous_prompt_that_ends_immediately_and_one_new_token(llama, tok):
+    prompts = _sentences(6, seed=9)
+    free = generate(llama, tok, prompts, max_new_tokens=3, progress=False).token_ids
+    first = free[2][0]  # prompt 2's first new token, made its end-of-sequence token
+    result = generate(llama, tok, prompts, max_new_tokens=3, eos_token_id=first, progress=False)
+    assert result.token_ids[2] == [first]
+    for row, full in zip(result.token_ids, free, strict=True):
+        cut = full.index(first) + 1 if first in full else len(full)
+        assert row == full[:cut]
+    one = generate(llama, tok, prompts, max_new_tokens=1, progress=False)
+    assert one.token_ids == [r[:1] for r in free] and one.stats.num_decode_steps == 0
+    alone = generate(llama, tok, prompts[:1], max_new_tokens=3, eos_token_id=first, progress=False)
+    assert alone.token_ids == result.token_ids[:1]
+
+
+def test_continuous_batching_only_for_plain_greedy(llama, tok, monkeypatch):
+    with pytest.raises(ConfigError, match="do_sample"):
+        generate(llama, tok, ["a b"], do_sample=True, continuous_batching=True, progress=False)
+    shapes = _record_batches(llama, monkeypatch)
+    r = generate(llama, tok, ["a b", "c d e"], max_new_tokens=3, repetition_penalty=1.3, progress=False)
+    assert not r.stats.continuous_batching and len(shapes) == 1  # fell back to model.generate
+    r = generate(llama, tok, ["a b", "c d e"], max_new_tokens=3, max_batch_size=1, progress=False)
+    assert r.stats.continuous_batching and r.stats.mean_decode_rows == 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,17 +385,30 @@ def test_prefix_reuse_gives_the_same_tokens(llama, tok, monkeypatch):
     questions = _sentences(9, seed=2, hi=25)
     prompts = [f"{system} {q}" for q in questions] + _sentences(3, seed=5)  # 3 prompts without the prefix
     plain = generate(llama, tok, prompts, max_new_tokens=MAX_NEW, max_tokens=600, progress=False)
-    shapes = _record_batches(llama, monkeypatch)
+    calls = _record_forwards(llama, monkeypatch)
     shared = generate(
         llama, tok, prompts, max_new_tokens=MAX_NEW, max_tokens=600, prefix_sharing=True, progress=False
     )
+    monkeypatch.undo()
     assert shared.token_ids == plain.token_ids
     s = shared.stats
     prefix_len = len(tok(system)["input_ids"])
     assert s.num_prefix_groups == 1 and s.prefill_tokens_saved >= 8 * prefix_len
     assert s.prefill_tokens == s.prompt_tokens - s.prefill_tokens_saved
     assert plain.stats.prefill_tokens_saved == 0
-    assert any(rows > 1 for rows, _ in shapes)  # the reused cache was expanded over a real batch
+    # The reused cache was expanded over a real batch: suffixes only, behind the cached prefix.
+    assert any(rows > 1 and 1 < width < mask_width - prefix_len + 1 for rows, width, mask_width in calls)
+    planned = generate(
+        llama,
+        tok,
+        prompts,
+        max_new_tokens=MAX_NEW,
+        max_tokens=600,
+        prefix_sharing=True,
+        continuous_batching=False,
+        progress=False,
+    )
+    assert planned.token_ids == plain.token_ids
 
 
 # --------------------------------------------------------------------------------------------------

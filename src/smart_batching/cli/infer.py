@@ -206,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
             ("batches", f"{s.num_batches}"),
             ("time", f"{s.seconds:.2f} s (+ {load_s:.1f} s loading)"),
             ("prompts/s", f"{s.prompts_per_s:.2f}"),
+            (
+                "decoding",
+                f"{'continuous batch' if s.continuous_batching else 'model.generate'}, "
+                f"{s.mean_decode_rows:.1f} rows per step on average",
+            ),
             ("generated tokens/s", f"{s.generated_tokens_per_s:.1f}"),
             ("padding ratio", f"{s.padding_ratio:.1%} of prompt token slots"),
             (

@@ -1,0 +1,363 @@
+"""Generation with smart batching: tokenise, plan, run, restore the caller's order."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from smart_batching.errors import ConfigError, DataError, require
+from smart_batching.inference._common import (
+    _check_int,
+    _default_max_tokens,
+    _plan_indices,
+    _progress,
+    _sync,
+)
+from smart_batching.inference._decode import Job, greedy_continuous, greedy_loop_blocker
+from smart_batching.inference._prefix import PrefixGroups, find_prefix_groups
+from smart_batching.inference._results import GenerationResult, GenerationStats
+
+
+def _is_messages(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and all(isinstance(m, Mapping) for m in prompt)
+    )
+
+
+def tokenize_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[list[int]]:
+    """Token ids of each prompt.
+
+    A prompt is a string (tokenised with the tokenizer's special tokens), a list of chat messages
+    (``{"role", "content"}``, rendered with the chat template and a generation prompt), or a list of
+    token ids (used as is).
+
+    Raises:
+        DataError: a prompt of another type, chat messages for a tokenizer with no chat template, or
+            a prompt with no tokens.
+    """
+    out: list[list[int] | None] = [None] * len(prompts)
+    texts: list[tuple[int, str, bool]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            texts.append((i, p, True))
+        elif _is_messages(p) and len(p) > 0:
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError(
+                    f"prompt {i} is a list of chat messages but the tokenizer has no chat template"
+                )
+            text = tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+            texts.append((i, text, False))  # the template already wrote BOS and the like
+        elif isinstance(p, Sequence | np.ndarray) and all(isinstance(t, int | np.integer) for t in p):
+            out[i] = [int(t) for t in p]
+        else:
+            raise DataError(
+                f"prompt {i} must be a string, a list of chat messages or a list of token ids; got {type(p).__name__}"
+            )
+    for special in (True, False):
+        chunk = [(i, t) for i, t, s in texts if s is special]
+        if chunk:
+            ids = tokenizer([t for _, t in chunk], add_special_tokens=special)["input_ids"]
+            for (i, _), row in zip(chunk, ids, strict=True):
+                out[i] = list(row)
+    for i, row in enumerate(out):
+        if not row:
+            raise DataError(f"prompt {i} has no tokens; generation needs at least one")
+    return out  # type: ignore[return-value]
+
+
+def _eos_ids(model: Any, tokenizer: Any, generate_kwargs: Mapping[str, Any]) -> set[int]:
+    eos = generate_kwargs.get("eos_token_id")
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
+
+
+def _pad_id(model: Any, tokenizer: Any, eos: set[int]) -> int:
+    for pad in (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(model.generation_config, "pad_token_id", None),
+    ):
+        if pad is not None:
+            return int(pad)
+    return min(eos) if eos else 0
+
+
+def _expected_buckets(expected: Any, n: int, max_new_tokens: int) -> np.ndarray:
+    """Bucket of each row by expected output length: powers of two, so a batch's rows need at most
+    about twice the new tokens of its shortest row."""
+    arr = np.asarray(expected, dtype=np.float64)
+    if arr.shape != (n,) or not np.all(np.isfinite(arr)) or (arr < 0).any():
+        raise ConfigError(f"expected_output_lengths= must hold one non-negative number per prompt ({n})")
+    return np.floor(np.log2(np.minimum(arr, max_new_tokens) + 1)).astype(np.int64)
+
+
+def _left_padded(rows: list[list[int]], prefix: list[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)``: the prefix, then each row left-padded to the longest row."""
+    p = len(prefix)
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), p + width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), p + width), dtype=np.int64)
+    ids[:, :p] = prefix
+    mask[:, :p] = 1
+    for i, r in enumerate(rows):
+        ids[i, p + width - len(r) :] = r
+        mask[i, p + width - len(r) :] = 1
+    return ids, mask
+
+
+def _prefix_cache(model: Any, prefix: list[int]) -> Any:
+    """The KV cache (a ``DynamicCache``, batch 1) of ``prefix``."""
+    import inspect
+
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prefix], dtype=torch.long, device=model.device)
+    kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
+    with torch.inference_mode():
+        model(input_ids=ids, **kwargs)
+    return cache
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    *,
+    max_new_tokens: int = 64,
+    max_tokens: int | None = None,
+    max_batch_size: int | None = None,
+    continuous_batching: bool | None = None,
+    expected_output_lengths: Sequence[float] | None = None,
+    prefix_sharing: bool = False,
+    min_prefix: int = 32,
+    progress: bool = True,
+    **generate_kwargs: Any,
+) -> GenerationResult:
+    """Generate for many prompts in token-budget batches of similar prompt length.
+
+    Greedy decoding runs in a continuous batch (:mod:`smart_batching.inference._decode`): prompts are
+    queued by length, longest first, a row leaves the batch when its answer ends and queued prompts
+    take its place, so no step is spent on finished rows. Other decoding (sampling, beams, logits
+    processors) runs ``model.generate`` on planned batches, each until its longest answer ends.
+
+    Args:
+        model: A transformers causal LM, on its device, in eval mode.
+        tokenizer: Its tokenizer (used to tokenise, for the chat template and to decode).
+        prompts: Strings, lists of chat messages (rendered with the chat template), or token id lists.
+        max_new_tokens: Most new tokens per prompt.
+        max_tokens: Budget in tokens: rows × (longest prompt + ``max_new_tokens``) of the running
+            batch, which bounds its KV cache. None: :data:`DEFAULT_MAX_TOKENS` for the model's device.
+            A prompt longer than the budget runs alone.
+        max_batch_size: Most prompts per batch; None means no limit.
+        continuous_batching: None: the continuous greedy loop where it gives ``model.generate``'s
+            outputs (greedy, no logits processors), else planned batches through ``model.generate``.
+            True: the loop, or :class:`ConfigError` saying why not. False: always ``model.generate``.
+        expected_output_lengths: Expected new tokens of each prompt (e.g. from earlier runs), for the
+            ``model.generate`` batches only: prompts are first bucketed by it (powers of two), so a
+            batch does not keep decoding for one long answer while its other rows are done. None: plan
+            on prompt length only. The continuous loop needs no such guess.
+        prefix_sharing: Group prompts sharing a prefix of at least ``min_prefix`` tokens
+            (:func:`find_prefix_groups`) and compute each group's prefix KV cache once.
+        min_prefix: Shortest shared prefix, in tokens, used with ``prefix_sharing``.
+        progress: Show a progress bar (prompts).
+        **generate_kwargs: Generation settings, as for ``model.generate`` (``do_sample`` defaults to
+            False: greedy).
+
+    Returns:
+        Texts and token ids in the order of ``prompts``, and :class:`GenerationStats`.
+    """
+    require("torch", "hf")
+    _check_int("max_new_tokens", max_new_tokens)
+    _check_int("max_tokens", max_tokens, allow_none=True)
+    _check_int("max_batch_size", max_batch_size, allow_none=True)
+    if max_tokens is None:
+        max_tokens = _default_max_tokens(model)
+    generate_kwargs.setdefault("do_sample", False)
+    if "past_key_values" in generate_kwargs:
+        raise ConfigError("generate() manages the KV cache itself; do not pass past_key_values=")
+    if generate_kwargs.get("num_return_sequences", 1) != 1:
+        raise ConfigError("num_return_sequences= must be 1 (repeat the prompt to get several outputs)")
+    if prefix_sharing and generate_kwargs.get("num_beams", 1) != 1:
+        raise ConfigError("prefix_sharing=True works with greedy or sampling only; set num_beams=1")
+    blocker = greedy_loop_blocker(model, generate_kwargs) if continuous_batching is not False else None
+    if continuous_batching and blocker:
+        raise ConfigError(f"continuous_batching=True needs plain greedy decoding, but {blocker}")
+    continuous = continuous_batching is not False and blocker is None
+
+    start = time.perf_counter()
+    ids = tokenize_prompts(tokenizer, prompts)
+    n = len(ids)
+    buckets = (
+        _expected_buckets(expected_output_lengths, n, max_new_tokens)
+        if expected_output_lengths is not None
+        else np.zeros(n, dtype=np.int64)
+    )
+    prompt_lens = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
+    groups = find_prefix_groups(ids, min_prefix=min_prefix) if prefix_sharing else None
+    eos = _eos_ids(model, tokenizer, generate_kwargs)
+    pad_id = _pad_id(model, tokenizer, eos)
+    generate_kwargs.setdefault("pad_token_id", pad_id)
+    with _progress(n, "generating", "prompt", progress) as bar:
+        if continuous:
+            out_ids, counts = _run_continuous(
+                model, ids, groups, max_new_tokens, max_tokens, max_batch_size, eos, pad_id, bar
+            )
+        else:
+            out_ids, counts = _run_planned(
+                model,
+                ids,
+                groups,
+                buckets,
+                max_new_tokens,
+                max_tokens,
+                max_batch_size,
+                eos,
+                bar,
+                generate_kwargs,
+            )
+    _sync(getattr(model, "device", None))
+    texts = tokenizer.batch_decode(out_ids, skip_special_tokens=True)
+    seconds = time.perf_counter() - start
+    prompt_tokens = int(prompt_lens.sum())
+    saved = groups.tokens_saved if groups is not None else 0
+    slots = counts["slots"]
+    stats = GenerationStats(
+        num_prompts=n,
+        num_batches=counts["batches"],
+        seconds=seconds,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=sum(len(r) for r in out_ids),
+        prompt_token_slots=slots,
+        padding_ratio=(slots - prompt_tokens) / slots if slots else 0.0,
+        prefill_tokens=prompt_tokens - saved,
+        prefill_tokens_saved=saved,
+        num_prefix_groups=len(groups) if groups is not None else 0,
+        max_tokens=int(max_tokens),
+        continuous_batching=continuous,
+        num_decode_steps=counts["steps"],
+        mean_decode_rows=counts["rows"] / counts["steps"] if counts["steps"] else 0.0,
+    )
+    return GenerationResult(texts, out_ids, prompt_lens.tolist(), stats)
+
+
+def _run_continuous(
+    model: Any,
+    ids: list[list[int]],
+    groups: PrefixGroups | None,
+    max_new_tokens: int,
+    max_tokens: int,
+    max_batch_size: int | None,
+    eos: set[int],
+    pad_id: int,
+    bar: Any,
+) -> tuple[list[list[int]], dict[str, int]]:
+    """The greedy continuous batch: each prefix group's prompts, then the others, longest first."""
+    lens = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+    jobs: list[Job] = []
+    grouped = np.zeros(len(ids), dtype=bool)
+    for g, (members, plen) in enumerate(groups or ()):
+        grouped[members] = True
+        for i in members[np.argsort(-lens[members], kind="stable")].tolist():
+            jobs.append(Job(i, ids[i], g, plen))
+    rest = np.flatnonzero(~grouped)
+    jobs.extend(Job(i, ids[i]) for i in rest[np.argsort(-lens[rest], kind="stable")].tolist())
+    s = greedy_continuous(
+        model,
+        jobs,
+        max_new_tokens=max_new_tokens,
+        max_tokens=max_tokens,
+        max_batch_size=max_batch_size,
+        eos=eos,
+        pad_id=pad_id,
+        prefix_cache=lambda g, prefix: _prefix_cache(model, prefix),
+        on_done=bar.update,
+    )
+    out_ids = [s.outputs[i] for i in range(len(ids))]
+    counts = {
+        "batches": s.num_prefills,
+        "slots": s.prompt_token_slots,
+        "steps": s.num_decode_steps,
+        "rows": s.decode_rows,
+    }
+    return out_ids, counts
+
+
+def _run_planned(
+    model: Any,
+    ids: list[list[int]],
+    groups: PrefixGroups | None,
+    buckets: np.ndarray,
+    max_new_tokens: int,
+    max_tokens: int,
+    max_batch_size: int | None,
+    eos: set[int],
+    bar: Any,
+    generate_kwargs: dict[str, Any],
+) -> tuple[list[list[int]], dict[str, int]]:
+    """Token-budget batches through ``model.generate``, each until its longest answer ends."""
+    import torch
+
+    n = len(ids)
+    lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n) + max_new_tokens
+    # Jobs: (prefix group or -1, batch of prompt indices); the batches of a group follow one another.
+    jobs: list[tuple[int, np.ndarray]] = []
+    grouped = np.zeros(n, dtype=bool)
+    for g, (members, _) in enumerate(groups or ()):
+        grouped[members] = True
+        for b in np.unique(buckets[members]):
+            sub = members[buckets[members] == b]
+            jobs.extend((g, batch) for batch in _plan_indices(sub, lengths, max_tokens, max_batch_size))
+    rest = np.flatnonzero(~grouped)
+    for b in np.unique(buckets[rest]):
+        sub = rest[buckets[rest] == b]
+        jobs.extend((-1, batch) for batch in _plan_indices(sub, lengths, max_tokens, max_batch_size))
+
+    pad_id = generate_kwargs["pad_token_id"]
+    out_ids: list[list[int]] = [[] for _ in range(n)]
+    slots = steps = rows_summed = 0
+    cached_group, cache = -1, None
+    for g, batch in jobs:
+        prefix: list[int] = []
+        past = None
+        if g >= 0:
+            assert groups is not None
+            prefix = ids[batch[0]][: int(groups.prefix_lengths[g])]
+            if g != cached_group:  # one prefill of the prefix per group, kept for its batches
+                cached_group, cache = g, _prefix_cache(model, prefix)
+            past = copy.deepcopy(cache)
+            past.batch_repeat_interleave(len(batch))
+        input_ids, mask = _left_padded([ids[i][len(prefix) :] for i in batch], prefix, pad_id)
+        slots += input_ids.size
+        kwargs = dict(generate_kwargs)
+        if past is not None:
+            kwargs["past_key_values"] = past
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=torch.from_numpy(input_ids).to(model.device),
+                attention_mask=torch.from_numpy(mask).to(model.device),
+                max_new_tokens=max_new_tokens,
+                **kwargs,
+            )
+        new = out[:, input_ids.shape[1] :].tolist()
+        steps += len(new[0]) - 1
+        rows_summed += len(batch) * (len(new[0]) - 1)
+        for i, row in zip(batch.tolist(), new, strict=True):
+            cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+            out_ids[i] = row[:cut]
+        bar.update(len(batch))
+    counts = {"batches": len(jobs), "slots": slots, "steps": steps, "rows": rows_summed}
+    return out_ids, counts
