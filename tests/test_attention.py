@@ -425,9 +425,17 @@ def test_smollm2_packed_equals_per_example():
     examples = _examples([37, 12, 64, 12, 25], seed=5)
     examples = [x % model.config.vocab_size for x in examples]
     reference = _per_example(model, examples)
+    # The model's own fp32 noise floor: one example alone vs in a padded batch of two differs where the
+    # matrix-multiply shapes change (6e-5 on logits of up to 36 here, on this CPU's kernels).
+    with torch.no_grad():
+        alone = model(input_ids=examples[1][None], use_cache=False).logits[0]
+        paired = model(input_ids=torch.stack([examples[1], examples[3]]), use_cache=False).logits[0]
+    noise = (alone - paired).abs().max().item()
     enable_packed_attention(model)
     packed = _packed(model, examples)
-    assert (packed - reference).abs().max().item() <= ATOL  # logits are O(10); measured 0.0
+    # A leak across packed examples moves logits by O(0.1-1); shape noise stays at the floor.
+    assert (packed - reference).abs().max().item() <= max(ATOL, 2 * noise)
+    assert noise < 1e-3
 
 
 @pytest.mark.slow
