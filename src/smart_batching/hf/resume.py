@@ -36,14 +36,17 @@ class ResumeMixin:
         return batch_samples, num_items
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        if self.args.world_size > 1:
-            _release_at_exit(self)
         checkpoint = resume_from_checkpoint
         if isinstance(checkpoint, bool):
             checkpoint = get_last_checkpoint(self.args.output_dir) if checkpoint else None
         self._sb_resume_state = read_sampler_state(checkpoint) if checkpoint else None
         self._sb_resume_checked = self._sb_resume_state is None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.args.world_size > 1:
+            # Only after a run that ended well: tearing a group down while another rank still waits in
+            # a collective (a failed run) can hang instead.
+            _release_at_exit(self)
+        return result
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         # transformers 5.x calls _run_epoch with keywords only.
@@ -212,11 +215,14 @@ def _release_at_exit(trainer: Any) -> None:
 def _release_trainers() -> None:
     from smart_batching.distributed import shutdown
 
-    for trainer in list(_EXITING_TRAINERS):
-        trainer.accelerator.free_memory()  # its references to the prepared (wrapped) model and optimizer
-        trainer.model_wrapped = trainer.model
-    _EXITING_TRAINERS.clear()
-    shutdown()
+    try:
+        for trainer in list(_EXITING_TRAINERS):
+            trainer.accelerator.free_memory()  # its references to the prepared (wrapped) model and optimizer
+            trainer.model_wrapped = trainer.model
+        _EXITING_TRAINERS.clear()
+        shutdown()
+    except Exception as e:  # at exit: report, never mask the run's own outcome
+        logger.warning("smart batching: could not release the process group at exit: %s", e)
 
 
 def read_sampler_state(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
