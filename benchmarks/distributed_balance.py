@@ -51,7 +51,6 @@ thousand tokens per example.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -67,7 +66,7 @@ from typing import Any
 import numpy as np
 
 import smart_batching as sb
-from smart_batching.distributed import distribute
+from smart_batching.distributed import distribute, shutdown
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 WALL_MODEL = dict(
@@ -255,14 +254,13 @@ def _wall_worker(rank: int, world: int, init: str, jobs: list[dict], accum: int,
             rows["step"].append(t2 - t0)
             rows["tokens"].append(sum(int(kept[str(i)]) for ids in micro for i in ids))
         results.append(rows)
-        del ddp  # DDP's reducer goes before the process group, or gloo threads can abort at exit
-    gc.collect()
+        del ddp  # DDP's reducer goes before the process group (see smart_batching.distributed.shutdown)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def wall_run(methods: list[tuple], world: int, accum: int, num_steps: int) -> dict[str, dict]:

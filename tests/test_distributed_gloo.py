@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from smart_batching.distributed import World
+from smart_batching.distributed import World, shutdown
 from smart_batching.distributed_sampler import DistributedSmartBatchSampler
 from smart_batching.errors import ConfigError
 
@@ -118,10 +117,8 @@ def _worker(rank: int, world_size: int, store: str, out: str) -> None:
         if p.grad is not None
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    # Release DDP's reducer before the process group: left to interpreter exit, its gloo threads can abort.
-    del ddp, model
-    gc.collect()
-    dist.destroy_process_group()
+    del ddp, model  # DDP's reducer goes before the process group (see distributed.shutdown)
+    shutdown()
 
 
 def _run(world_size: int, tmp_path: Path) -> list[dict]:

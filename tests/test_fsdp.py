@@ -9,7 +9,6 @@ process that trains on the same examples with the same global-token normalisatio
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from smart_batching.collate import PackingCollator, PaddingCollator
-from smart_batching.distributed import World
+from smart_batching.distributed import World, shutdown
 from smart_batching.distributed_sampler import DistributedSmartBatchSampler
 from smart_batching.loss import count_target_tokens, token_loss_sum
 
@@ -100,8 +99,7 @@ def _worker(rank: int, world_size: int, init: str, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     dist.barrier()
-    gc.collect()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def _reference(strategy: str, per_rank_micro: list[list[list[int]]]) -> dict[str, np.ndarray]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from smart_batching.bench.training import BenchContext, _skip_reason, strategy_options, train_run, warmup
+from smart_batching.distributed import shutdown
 from smart_batching.errors import ConfigError, SmartBatchingError
 
 WORKER_MODULE = "smart_batching.bench.multiprocess"
@@ -226,11 +226,8 @@ def _work(args: argparse.Namespace, rank: int) -> None:
         partial = path.with_suffix(".partial")
         torch.save({"measured": merge_measurements(parts), "state": state}, partial)
         os.replace(partial, path)  # the bench never reads half a file
-    if dist.is_available() and dist.is_initialized():
-        # DDP's reducer must go before the process group: left to interpreter exit, gloo threads can abort.
-        del model
-        gc.collect()
-        dist.destroy_process_group()
+    del model  # DDP's reducer goes before the process group (see smart_batching.distributed.shutdown)
+    shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
