@@ -18,12 +18,7 @@ from smart_batching.loss import kept_token_loss_sum, target_positions, token_los
 VOCAB = 384
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama() -> LlamaForCausalLM:

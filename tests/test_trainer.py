@@ -34,13 +34,7 @@ STRATEGIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: one intra-op thread is faster, and far faster on a shared, busy CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama(attn_implementation: str = "sdpa", cls: type = LlamaForCausalLM) -> LlamaForCausalLM:
