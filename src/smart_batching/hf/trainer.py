@@ -4,6 +4,7 @@ processes). Loss and resume overrides live in :mod:`.loss` and :mod:`.resume`.""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -352,16 +353,10 @@ def apply_smart_batching(trainer: Any, strategy: Any = "token_budget", **options
     Returns:
         The same trainer.
     """
-    setup_keys = {
-        "strategy_options",
-        "lengths",
-        "length_column",
-        "seed",
-        "packed_attention",
-        "shift_labels",
-        "replace_collator",
-        "streaming_buffer_size",
-        "target_logits_only",
+    # Options of setup_smart_batching go there; the rest are the strategy's own fields.
+    setup_keys = set(inspect.signature(SmartBatchingMixin.setup_smart_batching).parameters) - {
+        "self",
+        "strategy",
     }
     setup = {k: v for k, v in options.items() if k in setup_keys}
     spec_options = {k: v for k, v in options.items() if k not in setup_keys}
