@@ -317,15 +317,14 @@ def train_run(
     epochs = range(s["epochs"])
     if isinstance(sampler, DistributedSmartBatchSampler):
         # This rank's share of each epoch's balanced plan; the ranks' shares together are the plan.
-        rank, imbalance, parts = sampler.world.rank, 1.0, []
-        for e in epochs:
-            d = sampler.distributed_plan(e)
+        rank, dists, parts = sampler.world.rank, [sampler.distributed_plan(e) for e in epochs], []
+        for d in dists:
             units = [int(u) for u in d.rank_units(rank) if u >= 0]
             parts.append(
                 np.concatenate([d.unit_segments(u) for u in units]) if units else np.zeros(0, np.int64)
             )
-            imbalance = max(imbalance, d.max_step_imbalance)
-        plans = [d.base for d in (sampler.distributed_plan(e) for e in epochs)]
+        imbalance = max([1.0, *(d.max_step_imbalance for d in dists)])
+        plans = [d.base for d in dists]
         ids = np.concatenate([p.example_ids[seg] for p, seg in zip(plans, parts, strict=True)])
         seg_lengths = np.concatenate([p.seg_lengths[seg] for p, seg in zip(plans, parts, strict=True)])
     else:

@@ -127,7 +127,6 @@ def _buffer_layer() -> type:
         buffer  (rows, kv_heads, capacity, head_dim)   [k k k k k k k|. . . .]
         keys    buffer[:, :, :width] (a view)           ^ width        ^ capacity
     """
-    import torch
     from transformers.cache_utils import DynamicLayer
 
     class BufferLayer(DynamicLayer):
@@ -158,7 +157,6 @@ def _buffer_layer() -> type:
             self.install(*buffers, width)
             return self.keys, self.values
 
-    del torch
     return BufferLayer
 
 
