@@ -14,3 +14,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallbacks():
+    """Each test sees its own fallback warnings and counts (they warn once per process otherwise)."""
+    from smart_batching.fallbacks import reset_fallbacks
+
+    reset_fallbacks()
+    yield

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 
@@ -13,7 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from smart_batching import compat  # noqa: E402
 from smart_batching.errors import ConfigError, DataError  # noqa: E402
+from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks  # noqa: E402
 from smart_batching.inference import encode, find_prefix_groups, generate, tokenize_prompts  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -329,8 +332,85 @@ def test_continuous_batching_only_for_plain_greedy(llama, tok, monkeypatch):
     shapes = _record_batches(llama, monkeypatch)
     r = generate(llama, tok, ["a b", "c d e"], max_new_tokens=3, repetition_penalty=1.3, progress=False)
     assert not r.stats.continuous_batching and len(shapes) == 1  # fell back to model.generate
+    assert "repetition_penalty" in r.stats.fallback  # recorded; the caller's setting, so no warning
+    assert recorded_fallbacks() == {}
     r = generate(llama, tok, ["a b", "c d e"], max_new_tokens=3, max_batch_size=1, progress=False)
     assert r.stats.continuous_batching and r.stats.mean_decode_rows == 1
+
+
+def _rename_cache_argument(model, name: str):
+    """The same weights behind a forward that takes its KV cache as ``name`` (``None``: takes none),
+    whatever the installed transformers calls it."""
+    real = compat.cache_kwarg(model)
+    base = type(model)
+
+    if name is None:
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+            return base.forward(
+                self, input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+            )
+
+    else:
+
+        def forward(
+            self,
+            input_ids=None,
+            attention_mask=None,
+            position_ids=None,
+            use_cache=None,
+            logits_to_keep=0,
+            **kw,
+        ):
+            if name in kw:
+                kw[real] = kw.pop(name)
+            return base.forward(
+                self, input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                logits_to_keep=logits_to_keep, **kw,
+            )  # fmt: skip
+
+        names = ("self", "input_ids", "attention_mask", "position_ids", name, "use_cache", "logits_to_keep")
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        forward.__signature__ = inspect.Signature([inspect.Parameter(p, kind) for p in names])
+    renamed = type(f"{base.__name__}_{name}", (base,), {"forward": forward})
+    clone = renamed(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    return clone
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_continuous_decoding_takes_the_cache_argument_name_from_the_model(llama, tok, name):
+    prompts = _sentences(6, seed=3)
+    ref = generate(llama, tok, prompts, max_new_tokens=MAX_NEW, continuous_batching=False, progress=False)
+    model = _rename_cache_argument(llama, name)
+    assert compat.cache_kwarg(model) == name
+    got = generate(model, tok, prompts, max_new_tokens=MAX_NEW, max_tokens=200, progress=False)
+    assert got.stats.continuous_batching and got.stats.fallback is None
+    assert got.token_ids == ref.token_ids
+    long = ["one two three four five six " + p for p in prompts]
+    alone = generate(llama, tok, long, max_new_tokens=4, continuous_batching=False, progress=False)
+    for continuous in (None, False):  # the loop, and model.generate with a prefix cache
+        shared = generate(
+            model, tok, long, max_new_tokens=4, prefix_sharing=True, min_prefix=4,
+            continuous_batching=continuous, progress=False,
+        )  # fmt: skip
+        assert shared.stats.prefill_tokens_saved > 0 and shared.token_ids == alone.token_ids
+
+
+def test_a_model_without_a_kv_cache_argument_falls_back_with_one_warning(llama, tok):
+    model = _rename_cache_argument(llama, None)
+    prompts = _sentences(5, seed=4)
+    ref = generate(llama, tok, prompts, max_new_tokens=MAX_NEW, progress=False)
+    with pytest.warns(FallbackWarning, match="takes no cache or past_key_values") as seen:
+        got = generate(model, tok, prompts, max_new_tokens=MAX_NEW, progress=False)
+        again = generate(model, tok, prompts[:2], max_new_tokens=MAX_NEW, progress=False)
+    assert sum(w.category is FallbackWarning for w in seen) == 1  # once per process
+    assert recorded_fallbacks() == {"generate.continuous": 2}
+    assert not got.stats.continuous_batching and "takes no cache" in got.stats.fallback
+    assert got.token_ids == ref.token_ids and again.token_ids == ref.token_ids[:2]
+    with pytest.raises(ConfigError, match="takes no cache or past_key_values"):
+        generate(model, tok, prompts, continuous_batching=True, progress=False)
 
 
 # --------------------------------------------------------------------------------------------------

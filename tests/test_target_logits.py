@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
+from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks, reset_fallbacks  # noqa: E402
 from smart_batching.hf import SmartBatchingTrainer, with_smart_batching  # noqa: E402
 from smart_batching.loss import kept_token_loss_sum, target_positions, token_loss_sum  # noqa: E402
 
@@ -123,14 +124,17 @@ class MetricsTrainer(Trainer):
 
 
 def test_a_subclass_compute_loss_or_a_label_smoother_keeps_full_logits(tmp_path):
-    trainer, *_ = run(
-        tmp_path,
-        "packed",
-        {"capacity": 192},
-        target_logits_only=True,
-        trainer_cls=with_smart_batching(MetricsTrainer),
-    )
+    with pytest.warns(FallbackWarning, match=r"MetricsTrainer\.compute_loss overrides the loss") as seen:
+        trainer, *_ = run(
+            tmp_path,
+            "packed",
+            {"capacity": 192},
+            target_logits_only=True,
+            trainer_cls=with_smart_batching(MetricsTrainer),
+        )
     assert trainer._sb_target_logits is False
+    assert sum(w.category is FallbackWarning for w in seen) == 1  # once, not per step
+    assert recorded_fallbacks() == {"trainer.target_logits": 1}
     assert all(got == width for got, width in trainer.logit_widths)  # every position of the packed row
     smoothed = SmartBatchingTrainer(
         model=tiny_llama(),
@@ -139,8 +143,16 @@ def test_a_subclass_compute_loss_or_a_label_smoother_keeps_full_logits(tmp_path)
         strategy="packed",
         strategy_options={"capacity": 192},
     )
-    smoothed.train()
+    reset_fallbacks()
+    with pytest.warns(FallbackWarning, match="label smoother"):
+        smoothed.train()
     assert smoothed._sb_target_logits is False
+
+
+def test_asking_for_full_logits_is_no_fallback(tmp_path, recwarn):
+    trainer, *_ = run(tmp_path, "packed", {"capacity": 192}, target_logits_only=False)
+    assert trainer._sb_target_logits is False
+    assert not [w for w in recwarn if w.category is FallbackWarning] and recorded_fallbacks() == {}
 
 
 def test_one_pass_cross_entropy_equals_torch_including_underflow_and_ignored_rows():

@@ -122,8 +122,22 @@ def _varlen_attention(
     scale: float | None,
     dropout: float,
 ) -> torch.Tensor | None:
-    """Fused varlen kernel over ``(T, H, D)`` tokens, or ``None`` when none applies to this call."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] != v.shape[-1]:
+    """Fused varlen kernel over ``(T, H, D)`` tokens, or ``None`` when none applies to this call.
+
+    Off CUDA, ``None`` is the documented path (segment-wise SDPA). On CUDA it is a fallback: the first
+    one of each process warns with the reason (:func:`~smart_batching.fallbacks.warn_fallback`).
+    """
+    if not q.is_cuda:
+        return None
+    reason = varlen_unavailable_reason(
+        q.dtype,
+        same_head_dim=q.shape[-1] == v.shape[-1],
+        dropout=dropout,
+        has_flash_attn=_flash_attn_varlen() is not None,
+        has_torch_varlen=_torch_varlen() is not None,
+    )
+    if reason is not None:
+        _warn_varlen(reason)
         return None
     cu = cu.to(device=q.device, dtype=torch.int32)
     if window is None:
@@ -147,8 +161,7 @@ def _varlen_attention(
             window_size=window_size,
         )
     varlen = _torch_varlen()
-    if varlen is None or dropout > 0.0:  # torch's varlen kernel has no dropout
-        return None
+    assert varlen is not None  # varlen_unavailable_reason said one kernel applies
     try:
         return varlen(
             q,
@@ -162,5 +175,43 @@ def _varlen_attention(
             window_size=window_size,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-    except (RuntimeError, ValueError, NotImplementedError):  # pragma: no cover - GPU/kernel dependent
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # pragma: no cover - GPU/kernel dependent
+        _warn_varlen(f"torch's varlen kernel refused this call ({e})")
         return None
+
+
+def varlen_unavailable_reason(
+    dtype: torch.dtype, *, same_head_dim: bool, dropout: float, has_flash_attn: bool, has_torch_varlen: bool
+) -> str | None:
+    """Why no fused varlen kernel can run a packed CUDA attention call; None if one can.
+
+    Args:
+        dtype: The query's dtype (the kernels take float16 and bfloat16 only).
+        same_head_dim: Whether query and value heads have one size (MLA-style attention has not).
+        dropout: Attention dropout probability (torch's varlen kernel has none).
+        has_flash_attn: Whether ``flash_attn.flash_attn_varlen_func`` imports.
+        has_torch_varlen: Whether ``torch.nn.attention.varlen.varlen_attn`` imports.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (
+            f"the fused varlen kernels take float16/bfloat16 and attention runs in {dtype}: load the model "
+            "with dtype=torch.bfloat16 or train with bf16=True"
+        )
+    if not same_head_dim:
+        return "query and value heads differ in size, which the varlen kernels do not take"
+    if not has_flash_attn and not has_torch_varlen:
+        return "neither flash-attn nor torch.nn.attention.varlen is available: pip install flash-attn"
+    if not has_flash_attn and dropout > 0.0:
+        return "torch's varlen kernel has no dropout: set attention_dropout=0.0 or pip install flash-attn"
+    return None
+
+
+def _warn_varlen(reason: str) -> None:
+    from smart_batching.fallbacks import warn_fallback
+
+    warn_fallback(
+        "attention.varlen",
+        f"packed attention runs segment by segment with SDPA (exact, slower) instead of a fused varlen "
+        f"kernel, because {reason}",
+        stacklevel=5,
+    )

@@ -55,9 +55,9 @@ def _packed_attention(
                 "or a KV cache: drop attention_mask from the batch and set model.config.use_cache=False "
                 "(enable_packed_attention(model) does the latter)"
             )
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from smart_batching.compat import sdpa_attention_forward
 
-        return sdpa_attention_forward(
+        return sdpa_attention_forward()(
             module,
             query,
             key,
@@ -207,9 +207,9 @@ def packed_attention_mask(
     no_offset = not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kv_offset == 0
     if no_offset and q_length == kv_length and (attention_mask is None or bool(attention_mask.all())):
         return None
-    from transformers.masking_utils import sdpa_mask
+    from smart_batching.compat import sdpa_mask
 
-    return sdpa_mask(
+    return sdpa_mask()(
         batch_size=batch_size,
         q_length=q_length,
         kv_length=kv_length,

@@ -28,15 +28,14 @@ from smart_batching.errors import ConfigError
 
 def register_packed_attention() -> None:
     """Register both packed implementations and their mask builder with transformers (idempotent)."""
+    from smart_batching import compat
     from smart_batching.errors import require
 
-    transformers = require("transformers", "hf")
-    from transformers.masking_utils import AttentionMaskInterface
-
-    transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    transformers.AttentionInterface.register(PACKED_ATTENTION_SDPA, packed_attention_forward_sdpa)
+    require("transformers", "hf")
+    compat.register_attention(PACKED_ATTENTION, packed_attention_forward)
+    compat.register_attention(PACKED_ATTENTION_SDPA, packed_attention_forward_sdpa)
     for name in _IMPLEMENTATIONS:
-        AttentionMaskInterface.register(name, packed_attention_mask)
+        compat.register_attention_mask(name, packed_attention_mask)
 
 
 def enable_packed_attention(model: Any, *, backend: str = "auto") -> Any:
@@ -58,17 +57,15 @@ def enable_packed_attention(model: Any, *, backend: str = "auto") -> Any:
     names = {"auto": PACKED_ATTENTION, "sdpa": PACKED_ATTENTION_SDPA}
     if backend not in names:
         raise ConfigError(f"backend={backend!r} is not one of {sorted(names)}")
+    from smart_batching import compat
+
     register_packed_attention()
-    can_set = getattr(model, "_can_set_attn_implementation", None)
-    if can_set is not None and not can_set():
+    if not compat.can_set_attn_implementation(model):
         raise ConfigError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
             "packed attention cannot be enabled; pack with attn_implementation='flash_attention_2' or use padding"
         )
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(names[backend])
-    else:
-        model.config._attn_implementation = names[backend]
+    compat.set_attn_implementation(model, names[backend])
     model.config.use_cache = False
     return model
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from smart_batching import compat
+from smart_batching.fallbacks import warn_fallback
 from smart_batching.loss import count_target_tokens, kept_token_loss_sum, target_positions
 
 logger = logging.getLogger("smart_batching.hf")
@@ -72,50 +74,65 @@ class TokenLossMixin:
         return (loss, outputs) if return_outputs else loss
 
     def _target_logits_apply(self, model: Any) -> bool:
-        """Whether the target-only-logits loss is exact for this trainer and model (decided once)."""
+        """Whether the target-only-logits loss is exact for this trainer and model (decided once).
+
+        Where ``target_logits_only`` (the default) cannot be kept for a causal LM, the full-logits loss
+        runs instead (same loss, slower), with one :class:`~smart_batching.fallbacks.FallbackWarning`
+        naming the reason."""
         if self._sb_target_logits is None:
-            self._sb_target_logits = self._decide_target_logits(model)
-            if self._sb_target_logits:
+            reason = self._target_logits_blocker(model)
+            self._sb_target_logits = reason is None
+            if reason is None:
                 logger.info("smart batching: the LM head runs only at target positions (target_logits_only)")
+            elif self.sb_target_logits_only and reason != _NOT_CAUSAL:
+                warn_fallback(
+                    "trainer.target_logits",
+                    f"the LM head runs at every position (full logits), not only at target positions, "
+                    f"because {reason}; the loss is the same, training is slower. Pass "
+                    "target_logits_only=False to choose this path (and silence this warning).",
+                    stacklevel=2,
+                )
         return self._sb_target_logits
 
-    def _decide_target_logits(self, model: Any) -> bool:
-        import inspect
-
-        if not self.sb_target_logits_only or self.label_smoother is not None:
-            return False
+    def _target_logits_blocker(self, model: Any) -> str | None:
+        """Why target-only logits are not exact here; None if they are."""
+        if not self.sb_target_logits_only:
+            return "target_logits_only=False"
+        if not _detect_shift_labels(self):
+            return _NOT_CAUSAL
+        if self.label_smoother is not None:
+            return "a label smoother reads every position's logits (label_smoothing_factor > 0)"
         token_loss = self.compute_loss_func is None and self.model_accepts_loss_kwargs
         ours = self._sb_token_loss is not None and self.compute_loss_func is self._sb_token_loss
-        if not (token_loss or ours) or (ours and not self._sb_token_loss.shift_labels):
-            return False
+        if not (token_loss or ours):
+            return "a compute_loss_func of the caller's reads the full logits"
+        if ours and not self._sb_token_loss.shift_labels:
+            return "shift_labels=False: the loss does not shift labels as a causal LM does"
         # A subclass's compute_loss (e.g. TRL's SFTTrainer, which reads full logits for its metrics) wins.
         mro = type(self).__mro__
         after = mro[mro.index(TokenLossMixin) + 1 :]
         first = next((c for c in after if "compute_loss" in vars(c)), None)
         if first is not Trainer:
-            return False
+            return f"{first.__name__}.compute_loss overrides the loss and may read the full logits"
         unwrapped = self.accelerator.unwrap_model(model)
-        config = getattr(unwrapped, "config", None)
-        if getattr(config, "output_router_logits", False) or not _detect_shift_labels(self):
-            return False
-        try:
-            params = inspect.signature(unwrapped.forward).parameters
-        except (TypeError, ValueError):
-            return False
-        pc = getattr(self.accelerator, "parallelism_config", None)
-        if pc is not None and getattr(pc, "sp_enabled", False):
-            return False
-        return "logits_to_keep" in params
+        if getattr(getattr(unwrapped, "config", None), "output_router_logits", False):
+            return "the model adds a router auxiliary loss (output_router_logits=True)"
+        if compat.sequence_parallel_enabled(self.accelerator):
+            return "sequence parallelism splits each sequence across ranks"
+        if not compat.forward_accepts(unwrapped, "logits_to_keep"):
+            return f"{type(unwrapped).__name__}.forward takes no logits_to_keep"
+        return None
+
+
+_NOT_CAUSAL = "the model is not a causal LM"
 
 
 def _detect_shift_labels(trainer: Any) -> bool:
     if getattr(trainer, "_loss_shifts_labels", False):
         return True
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     model = trainer.accelerator.unwrap_model(trainer.model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return False
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    causal = compat.causal_lm_class_names()
     # Subclasses of a causal LM (a wrapper with a narrower forward) shift like their parent.
     return any(c.__name__ in causal or c.__name__.endswith("ForCausalLM") for c in type(model).__mro__)

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from smart_batching import compat
 from smart_batching.errors import ConfigError
 
 logger = logging.getLogger("smart_batching.hf")
@@ -38,7 +38,7 @@ class ResumeMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         checkpoint = resume_from_checkpoint
         if isinstance(checkpoint, bool):
-            checkpoint = get_last_checkpoint(self.args.output_dir) if checkpoint else None
+            checkpoint = compat.last_checkpoint(self.args.output_dir) if checkpoint else None
         self._sb_resume_state = read_sampler_state(checkpoint) if checkpoint else None
         self._sb_resume_checked = self._sb_resume_state is None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -193,7 +193,7 @@ class ResumeMixin:
         if state is None or not self.args.should_save:
             return
         folder = os.path.join(
-            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            self._get_output_dir(trial=trial), f"{compat.checkpoint_prefix()}-{self.state.global_step}"
         )
         if os.path.isdir(folder):
             with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as f:

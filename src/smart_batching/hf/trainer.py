@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer_utils import seed_worker
 
+from smart_batching import compat
 from smart_batching.errors import ConfigError
 from smart_batching.hf.data import (
     _is_iterable,
@@ -112,6 +112,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         Raises:
             ConfigError: bad strategy options, or (``packed``) a model that would leak attention.
         """
+        compat.check_trainer_hooks()
         args = self.args
         options = dict(strategy_options or {})
         if "auto" in (options.get("max_tokens"), options.get("capacity")):
@@ -258,7 +259,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             "pin_memory": args.dataloader_pin_memory,
             "persistent_workers": args.dataloader_persistent_workers,
             "worker_init_fn": partial(
-                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+                compat.seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
             ),
         }
         if args.dataloader_num_workers > 0:
@@ -267,12 +268,8 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             params["in_order"] = getattr(args, "dataloader_in_order", True)
         loader = self.accelerator.prepare(DataLoader(dataset, **params))
         if args.world_size > 1:
-            # Our batches are already this rank's share of a balanced plan: make accelerate's
-            # BatchSamplerShard a passthrough, as transformers does for its own rank-aware sampler.
-            shard = getattr(loader, "batch_sampler", None)
-            if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
-                shard.num_processes = 1
-                shard.process_index = 0
+            # Our batches are already this rank's share of a balanced plan.
+            compat.make_shard_passthrough(loader, sampler)
         return loader
 
     def _streaming_dataloader(self) -> DataLoader:

@@ -28,7 +28,6 @@ budget, as with :func:`~smart_batching.inference.generate`'s planned batches.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,17 +65,33 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _OWN_KWARGS = {"pad_token_id", "eos_token_id", "bos_token_id", "use_cache"}
 
 
-def greedy_loop_blocker(model: Any, generate_kwargs: Mapping[str, Any]) -> str | None:
-    """Why the continuous-batching loop cannot stand in for ``model.generate`` here; None if it can.
+def greedy_model_blocker(model: Any) -> str | None:
+    """Why the continuous-batching loop cannot run ``model``; None if it can.
 
-    It can for plain greedy decoding of a decoder-only model with a dynamic KV cache: no sampling, beams,
-    logits processors, stopping criteria or streamers, in the call or in ``model.generation_config``.
+    It can for a decoder-only model whose forward takes ``position_ids``, ``attention_mask`` and a KV
+    cache (under the name :func:`~smart_batching.compat.cache_kwarg` reads from the model: ``cache`` on
+    transformers >= 5.24, ``past_key_values`` before), with a plain dynamic KV cache.
     """
+    from smart_batching import compat
+
     if getattr(model.config, "is_encoder_decoder", False):
         return "the model is an encoder-decoder"
-    params = inspect.signature(model.forward).parameters
-    if not {"position_ids", "past_key_values", "attention_mask"} <= set(params):
-        return f"{type(model).__name__}.forward takes no position_ids, past_key_values or attention_mask"
+    missing = [n for n in ("position_ids", "attention_mask") if not compat.forward_accepts(model, n)]
+    if compat.cache_kwarg(model) is None:
+        missing.append(" or ".join(compat.CACHE_KWARGS))
+    if missing:
+        return f"{type(model).__name__}.forward takes no {', '.join(missing)}"
+    layers = compat.new_dynamic_cache(model).layers
+    layer_class = compat.dynamic_layer_class()
+    if not layers or any(type(layer) is not layer_class for layer in layers):
+        return "the model's cache is not a plain DynamicCache (sliding windows or the like)"
+    return None
+
+
+def greedy_settings_blocker(model: Any, generate_kwargs: Mapping[str, Any]) -> str | None:
+    """Why these generation settings are not plain greedy decoding (sampling, beams, logits
+    processors, stopping criteria or streamers, in the call or in ``model.generation_config``); None if
+    they are."""
     config = getattr(model, "generation_config", None)
     settings = config.to_dict() if config is not None else {}
     for name in generate_kwargs:
@@ -86,13 +101,13 @@ def greedy_loop_blocker(model: Any, generate_kwargs: Mapping[str, Any]) -> str |
     for name, neutral in _NEUTRAL.items():
         if settings.get(name) not in neutral:
             return f"{name}={settings[name]!r} changes greedy decoding"
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    layers = DynamicCache(config=model.config).layers
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-        return "the model's cache is not a plain DynamicCache (sliding windows or the like)"
     return None
+
+
+def greedy_loop_blocker(model: Any, generate_kwargs: Mapping[str, Any]) -> str | None:
+    """Why the continuous-batching loop cannot stand in for ``model.generate`` here; None if it can
+    (:func:`greedy_model_blocker`, then :func:`greedy_settings_blocker`)."""
+    return greedy_model_blocker(model) or greedy_settings_blocker(model, generate_kwargs)
 
 
 @dataclass
@@ -127,9 +142,9 @@ def _buffer_layer() -> type:
         buffer  (rows, kv_heads, capacity, head_dim)   [k k k k k k k|. . . .]
         keys    buffer[:, :, :width] (a view)           ^ width        ^ capacity
     """
-    from transformers.cache_utils import DynamicLayer
+    from smart_batching.compat import dynamic_layer_class
 
-    class BufferLayer(DynamicLayer):
+    class BufferLayer(dynamic_layer_class()):  # type: ignore[misc]
         capacity = 0  # columns to allocate when the buffer is (re)made; at least what is needed
 
         def install(self, keys: Any, values: Any, width: int) -> None:
@@ -235,9 +250,9 @@ def _copy_rows(src: Any, rows: Any, out: Any) -> None:
 def _new_cache(model: Any, prefix_cache: Any, rows: int, capacity: int) -> Any:
     """A ``DynamicCache`` of buffer layers for ``rows`` rows: empty, or holding ``prefix_cache``
     (batch 1) expanded to ``rows`` rows as views (copied once, into the buffer)."""
-    from transformers import DynamicCache
+    from smart_batching.compat import new_dynamic_cache
 
-    cache = DynamicCache(config=model.config)
+    cache = new_dynamic_cache(model)
     layer_class = _buffer_layer()
     cache.layers = [layer_class() for _ in cache.layers]
     for layer in cache.layers:
@@ -283,8 +298,11 @@ def greedy_continuous(
     """
     import torch
 
+    from smart_batching.compat import cache_kwarg, forward_accepts
+
     stats = DecodeStats()
-    keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+    keep_last = forward_accepts(model, "logits_to_keep")
+    cache_name = cache_kwarg(model)  # "cache" on transformers >= 5.24, "past_key_values" before
     cap = max_batch_size or len(jobs) or 1
     reserve = [len(j.ids) + max_new_tokens for j in jobs]
     batch: _Batch | None = None
@@ -314,7 +332,7 @@ def greedy_continuous(
             if group >= 0 and cached[0] != group:  # one prefill of the prefix per group
                 cached = (group, prefix_cache(group, chunk[0].ids[:plen]))
             prefix = cached[1] if group >= 0 else None
-            new = _prefill(model, chunk, reserve[nxt:end], prefix, pad_id, keep_last, stats)
+            new = _prefill(model, chunk, reserve[nxt:end], prefix, pad_id, keep_last, cache_name, stats)
             _finish(new, max_new_tokens, eos, stats, on_done)
             if len(new):
                 if batch is None or len(batch) == 0:
@@ -332,8 +350,8 @@ def greedy_continuous(
                 input_ids=batch.last[:, None],
                 attention_mask=batch.mask,
                 position_ids=batch.positions[:, None],
-                past_key_values=batch.cache,
                 use_cache=True,
+                **{cache_name: batch.cache},
             )
             batch.last = out.logits[:, -1].float().argmax(-1)
             batch.positions = batch.positions + 1
@@ -351,6 +369,7 @@ def _prefill(
     prefix_cache: Any,
     pad_id: int,
     keep_last: bool,
+    cache_name: str,
     stats: DecodeStats,
 ) -> _Batch:
     """Run ``chunk``'s prompts (after the shared prefix, if any) as one left-padded batch::
@@ -375,14 +394,11 @@ def _prefill(
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     cache = _new_cache(model, prefix_cache, len(rows), max(reserve))
-    kwargs = {"logits_to_keep": 1} if keep_last else {}
+    kwargs: dict[str, Any] = {cache_name: cache}
+    if keep_last:
+        kwargs["logits_to_keep"] = 1
     out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions[:, plen:],
-        past_key_values=cache,
-        use_cache=True,
-        **kwargs,
+        input_ids=ids, attention_mask=mask, position_ids=positions[:, plen:], use_cache=True, **kwargs
     )
     stats.num_prefills += 1
     stats.prompt_token_slots += mask.numel()  # the prefix counted in every row, as without reuse
@@ -413,4 +429,11 @@ def _finish(
     return True
 
 
-__all__ = ["DecodeStats", "Job", "greedy_continuous", "greedy_loop_blocker"]
+__all__ = [
+    "DecodeStats",
+    "Job",
+    "greedy_continuous",
+    "greedy_loop_blocker",
+    "greedy_model_blocker",
+    "greedy_settings_blocker",
+]

@@ -37,9 +37,9 @@ def _pool(hidden: Any, mask: Any, pooling: str) -> Any:
 
 
 def _model_accepts(model: Any, name: str) -> bool:
-    import inspect
+    from smart_batching.compat import forward_accepts
 
-    return name in inspect.signature(model.forward).parameters
+    return forward_accepts(model, name)
 
 
 def encode(
@@ -180,10 +180,9 @@ def _enable_packed(model: Any) -> Any:
     enable_packed_attention(model, backend="auto")
 
     def restore() -> None:
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(old_impl)
-        else:
-            model.config._attn_implementation = old_impl
+        from smart_batching.compat import set_attn_implementation
+
+        set_attn_implementation(model, old_impl)
         if old_cache is not None:
             model.config.use_cache = old_cache
 

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from smart_batching import compat
 from smart_batching.errors import ConfigError, DataError, require
+from smart_batching.fallbacks import warn_fallback
 from smart_batching.inference._common import (
     _check_int,
     _default_max_tokens,
@@ -17,7 +19,12 @@ from smart_batching.inference._common import (
     _progress,
     _sync,
 )
-from smart_batching.inference._decode import Job, greedy_continuous, greedy_loop_blocker
+from smart_batching.inference._decode import (
+    Job,
+    greedy_continuous,
+    greedy_model_blocker,
+    greedy_settings_blocker,
+)
 from smart_batching.inference._prefix import PrefixGroups, find_prefix_groups
 from smart_batching.inference._results import GenerationResult, GenerationStats
 
@@ -115,17 +122,24 @@ def _left_padded(rows: list[list[int]], prefix: list[int], pad_id: int) -> tuple
     return ids, mask
 
 
+def _cache_name(model: Any) -> str:
+    name = compat.cache_kwarg(model)
+    if name is None:
+        raise ConfigError(
+            f"prefix_sharing=True needs a model whose forward takes a KV cache; {type(model).__name__}.forward "
+            f"takes none of {compat.CACHE_KWARGS}: set prefix_sharing=False"
+        )
+    return name
+
+
 def _prefix_cache(model: Any, prefix: list[int]) -> Any:
     """The KV cache (a ``DynamicCache``, batch 1) of ``prefix``."""
-    import inspect
-
     import torch
-    from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = compat.new_dynamic_cache(model)
     ids = torch.tensor([prefix], dtype=torch.long, device=model.device)
-    kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+    kwargs: dict[str, Any] = {_cache_name(model): cache, "use_cache": True}
+    if compat.forward_accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
     with torch.inference_mode():
         model(input_ids=ids, **kwargs)
@@ -187,16 +201,30 @@ def generate(
     if max_tokens is None:
         max_tokens = _default_max_tokens(model)
     generate_kwargs.setdefault("do_sample", False)
-    if "past_key_values" in generate_kwargs:
-        raise ConfigError("generate() manages the KV cache itself; do not pass past_key_values=")
+    for name in compat.CACHE_KWARGS:
+        if name in generate_kwargs:
+            raise ConfigError(f"generate() manages the KV cache itself; do not pass {name}=")
     if generate_kwargs.get("num_return_sequences", 1) != 1:
         raise ConfigError("num_return_sequences= must be 1 (repeat the prompt to get several outputs)")
     if prefix_sharing and generate_kwargs.get("num_beams", 1) != 1:
         raise ConfigError("prefix_sharing=True works with greedy or sampling only; set num_beams=1")
-    blocker = greedy_loop_blocker(model, generate_kwargs) if continuous_batching is not False else None
+    model_blocker = greedy_model_blocker(model) if continuous_batching is not False else None
+    blocker = model_blocker
+    if continuous_batching is not False and blocker is None:
+        blocker = greedy_settings_blocker(model, generate_kwargs)
     if continuous_batching and blocker:
         raise ConfigError(f"continuous_batching=True needs plain greedy decoding, but {blocker}")
     continuous = continuous_batching is not False and blocker is None
+    # The default promises the continuous loop for greedy decoding: a model that cannot run it is a
+    # fallback to warn about. Sampling or beams (the caller's choice) take model.generate as documented.
+    fallback = blocker if continuous_batching is None else None
+    if model_blocker is not None and continuous_batching is None:
+        warn_fallback(
+            "generate.continuous",
+            f"greedy decoding runs through model.generate on planned batches, not the continuous batch, "
+            f"because {model_blocker}; outputs are the same, generation is slower. Pass "
+            "continuous_batching=False to choose this path (and silence this warning).",
+        )
 
     start = time.perf_counter()
     ids = tokenize_prompts(tokenizer, prompts)
@@ -248,6 +276,7 @@ def generate(
         num_prefix_groups=len(groups) if groups is not None else 0,
         max_tokens=int(max_tokens),
         continuous_batching=continuous,
+        fallback=fallback,
         num_decode_steps=counts["steps"],
         mean_decode_rows=counts["rows"] / counts["steps"] if counts["steps"] else 0.0,
     )
@@ -344,7 +373,7 @@ def _run_planned(
         slots += input_ids.size
         kwargs = dict(generate_kwargs)
         if past is not None:
-            kwargs["past_key_values"] = past
+            kwargs[_cache_name(model)] = past
         with torch.inference_mode():
             out = model.generate(
                 input_ids=torch.from_numpy(input_ids).to(model.device),

@@ -18,6 +18,10 @@ class GenerationStats:
         num_prefix_groups: groups of prompts that shared a prefix (0 without prefix sharing).
         num_batches: prefill batches (with ``continuous_batching``, groups of prompts admitted together).
         continuous_batching: whether the continuous greedy loop ran (else ``model.generate``).
+        fallback: why the continuous loop, the default, did not run (None when it ran or when
+            ``continuous_batching=False`` asked for ``model.generate``). A reason that lies in the
+            model, not in the decoding settings, is also warned about once
+            (:class:`~smart_batching.fallbacks.FallbackWarning`).
         num_decode_steps: forward passes after the prefills (one new token per running row each).
         mean_decode_rows: rows per decode step, on average.
     """
@@ -34,6 +38,7 @@ class GenerationStats:
     num_prefix_groups: int
     max_tokens: int
     continuous_batching: bool = False
+    fallback: str | None = None
     num_decode_steps: int = 0
     mean_decode_rows: float = 0.0
 

@@ -1,0 +1,231 @@
+"""Every upstream detail the library depends on (transformers, accelerate, TRL), read in one place.
+
+Names, signatures and private hooks of the HF stack move between releases: transformers 5.24 renamed the
+model's ``past_key_values`` argument to ``cache``, and a decoding path that tested the signature for the
+old name silently fell back to ``model.generate``. Each such detail is one small function here, with a
+test of its own in ``tests/test_compat.py`` that runs it on the installed upstream: when upstream moves,
+that test fails and names what moved, and this module is the one place to change.
+
+Nothing here is imported by ``import smart_batching``; each function imports what it reads.
+
+========================================  ===================================================================
+detail                                    function
+========================================  ===================================================================
+KV-cache argument (``cache`` / ``past_key_values``)   :func:`cache_kwarg`, :func:`output_cache`
+what a ``forward`` takes                  :func:`forward_accepts`
+``DynamicCache`` / ``DynamicLayer``       :func:`new_dynamic_cache`, :func:`dynamic_layer_class`
+attention registries                      :func:`register_attention`, :func:`register_attention_mask`
+SDPA kernel and mask builder              :func:`sdpa_attention_forward`, :func:`sdpa_mask`
+switching attention on a loaded model     :func:`set_attn_implementation`, :func:`can_set_attn_implementation`
+causal-LM classes                         :func:`causal_lm_class_names`
+Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`
+DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
+accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
+sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
+========================================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from smart_batching.errors import ConfigError
+
+# The names a model's forward has used for its KV cache, newest first (transformers >= 5.24: ``cache``).
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def _params(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins, C extensions
+        return set()
+
+
+def forward_accepts(model: Any, name: str) -> bool:
+    """Whether ``model.forward`` names the argument ``name`` (``logits_to_keep``, ``position_ids``...)."""
+    return name in _params(model.forward)
+
+
+def cache_kwarg(model: Any) -> str | None:
+    """The name under which ``model.forward`` (and so ``model.generate``) takes its KV cache.
+
+    ``"cache"`` on transformers >= 5.24, ``"past_key_values"`` before; read from the model's own
+    signature, never assumed. None: the model takes no KV cache.
+    """
+    params = _params(model.forward)
+    return next((name for name in CACHE_KWARGS if name in params), None)
+
+
+def output_cache(outputs: Any) -> Any:
+    """The KV cache a forward returned (``outputs.cache`` on transformers >= 5.24, else
+    ``outputs.past_key_values``), without touching a deprecated alias."""
+    keys = outputs.keys() if hasattr(outputs, "keys") else ()
+    for name in CACHE_KWARGS:
+        if name in keys:
+            return outputs[name]
+    return None
+
+
+def new_dynamic_cache(model: Any) -> Any:
+    """An empty ``DynamicCache`` laid out for ``model`` (one layer object per decoder layer)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def dynamic_layer_class() -> type:
+    """transformers' ``DynamicLayer``: one layer of a ``DynamicCache`` (keys, values, ``update``)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+def register_attention(name: str, fn: Callable[..., Any]) -> None:
+    """Register an attention function under ``name`` in transformers' ``AttentionInterface``."""
+    import transformers
+
+    transformers.AttentionInterface.register(name, fn)
+
+
+def register_attention_mask(name: str, fn: Callable[..., Any]) -> None:
+    """Register the mask builder paired with attention ``name`` in ``AttentionMaskInterface``."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(name, fn)
+
+
+def sdpa_attention_forward() -> Callable[..., Any]:
+    """transformers' SDPA attention function (the one ``attn_implementation="sdpa"`` calls)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+
+    return fn
+
+
+def sdpa_mask() -> Callable[..., Any]:
+    """transformers' SDPA mask builder (``masking_utils.sdpa_mask``)."""
+    from transformers.masking_utils import sdpa_mask as fn
+
+    return fn
+
+
+def can_set_attn_implementation(model: Any) -> bool:
+    """Whether a loaded model can switch its attention implementation (False only when it says so)."""
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    return True if can_set is None else bool(can_set())
+
+
+def set_attn_implementation(model: Any, name: str) -> None:
+    """Switch a loaded model's attention implementation to ``name`` (a registered one)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+@functools.cache
+def causal_lm_class_names() -> frozenset[str]:
+    """Class names of every causal LM that transformers' ``AutoModelForCausalLM`` maps to."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+# Trainer methods the hf/ mixins override or call, with the parameters they rely on. Private ones
+# (underscore) have no public hook that does the same job in transformers 5:
+# - _run_epoch: the only place that knows an epoch's number and how many batches a resume skips
+#   before the loop reads them (our sampler cursor must agree with it, and streams set their pass);
+# - _save_checkpoint, _get_output_dir: a checkpoint folder exists only inside it, and the sampler
+#   cursor must be written into that folder (TrainerCallback.on_save has no trial and runs on
+#   every rank after the folder may have been rotated).
+TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
+    "get_train_dataloader": (),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "_run_epoch": ("epoch", "epochs_trained", "steps_trained_in_current_epoch", "resume_from_checkpoint"),
+    "_save_checkpoint": ("model", "trial"),
+    "_get_output_dir": ("trial",),
+}
+
+
+def missing_trainer_hooks(trainer_class: type | None = None) -> list[str]:
+    """What of :data:`TRAINER_HOOKS` the installed ``Trainer`` lacks: ``"name"`` or ``"name(param)"``."""
+    if trainer_class is None:
+        from transformers import Trainer as trainer_class
+    missing = []
+    for name, params in TRAINER_HOOKS.items():
+        fn = getattr(trainer_class, name, None)
+        if fn is None:
+            missing.append(name)
+            continue
+        have = _params(fn)
+        missing.extend(f"{name}({p})" for p in params if p not in have)
+    return missing
+
+
+def check_trainer_hooks() -> None:
+    """Refuse a transformers whose Trainer moved a hook the integration overrides.
+
+    Raises:
+        ConfigError: naming the moved hooks and the installed version.
+    """
+    missing = missing_trainer_hooks()
+    if missing:
+        import transformers
+
+        raise ConfigError(
+            f"transformers {transformers.__version__}'s Trainer no longer has {', '.join(missing)}, which "
+            "smart batching overrides; install the tested versions (make venv, see README 'Versions')"
+        )
+
+
+def seed_worker(worker_id: int, *, num_workers: int, rank: int) -> None:
+    """transformers' DataLoader ``worker_init_fn`` (seeds each worker as the Trainer does)."""
+    from transformers.trainer_utils import seed_worker as fn
+
+    fn(worker_id, num_workers=num_workers, rank=rank)
+
+
+def checkpoint_prefix() -> str:
+    """The folder-name prefix of a Trainer checkpoint (``checkpoint`` in ``checkpoint-500``)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return PREFIX_CHECKPOINT_DIR
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir``, or None."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(output_dir)
+
+
+def make_shard_passthrough(loader: Any, sampler: Any) -> bool:
+    """Make accelerate's ``BatchSamplerShard`` around ``sampler`` hand every batch to this rank.
+
+    Our batch sampler already yields this rank's share of a balanced plan; accelerate would deal its
+    batches round-robin once more. transformers does the same for its own rank-aware samplers.
+
+    Returns:
+        Whether ``loader`` had such a shard (False on one process, where accelerate adds none).
+    """
+    shard = getattr(loader, "batch_sampler", None)
+    if shard is None or getattr(shard, "batch_sampler", None) is not sampler:
+        return False
+    if not (hasattr(shard, "num_processes") and hasattr(shard, "process_index")):
+        raise ConfigError(
+            f"accelerate's {type(shard).__name__} has no num_processes/process_index: this accelerate "
+            "is not one smart batching was tested with (see README 'Versions')"
+        )
+    shard.num_processes = 1
+    shard.process_index = 0
+    return True
+
+
+def sequence_parallel_enabled(accelerator: Any) -> bool:
+    """Whether accelerate splits each sequence across ranks (``ParallelismConfig.sp_enabled``)."""
+    pc = getattr(accelerator, "parallelism_config", None)
+    return bool(pc is not None and getattr(pc, "sp_enabled", False))

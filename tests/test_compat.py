@@ -1,0 +1,172 @@
+"""One test per upstream detail in :mod:`smart_batching.compat`, run on the installed transformers,
+accelerate and TRL. When upstream renames or moves one of them, the test of that item fails here,
+naming it, instead of a feature breaking somewhere else."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from packaging.version import Version  # noqa: E402
+
+from smart_batching import compat  # noqa: E402
+from smart_batching.errors import ConfigError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TRANSFORMERS = Version(transformers.__version__)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_cache_argument_is_read_from_the_model_and_a_forward_takes_it(llama):
+    name = compat.cache_kwarg(llama)
+    # transformers 5.24 renamed past_key_values to cache (the rename that broke a fresh make test).
+    assert name == ("cache" if Version("5.24") <= TRANSFORMERS else "past_key_values")
+    cache = compat.new_dynamic_cache(llama)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        out = llama(input_ids=ids, use_cache=True, **{name: cache})
+        assert compat.output_cache(out) is cache and cache.get_seq_length() == 3
+        step = llama(input_ids=torch.tensor([[4]]), use_cache=True, **{name: cache})
+        full = llama(input_ids=torch.tensor([[1, 2, 3, 4]]))
+    assert torch.allclose(step.logits[0, -1], full.logits[0, -1], atol=1e-5)  # the cache was really used
+
+
+def test_a_model_without_a_cache_argument_has_none():
+    encoder = transformers.BertForSequenceClassification(transformers.BertConfig(num_hidden_layers=1))
+    assert compat.cache_kwarg(encoder) is None
+
+
+def test_forward_accepts_reads_the_signature(llama):
+    for name in ("logits_to_keep", "position_ids", "attention_mask"):
+        assert compat.forward_accepts(llama, name), name
+    assert not compat.forward_accepts(llama, "no_such_argument")
+
+
+def test_dynamic_cache_is_made_of_dynamic_layers(llama):
+    layers = compat.new_dynamic_cache(llama).layers
+    assert len(layers) == llama.config.num_hidden_layers
+    assert all(type(layer) is compat.dynamic_layer_class() for layer in layers)
+    layer = compat.dynamic_layer_class()()
+    # The decoding loop's in-place buffer layer relies on these members of DynamicLayer.
+    for member in ("update", "lazy_initialization", "keys", "values", "is_initialized"):
+        assert hasattr(layer, member) or member in ("keys", "values"), member
+    k = torch.zeros(1, 2, 3, 4)
+    layer.update(k, k)
+    assert layer.is_initialized and layer.keys.shape == (1, 2, 3, 4)
+
+
+def test_attention_and_mask_registries_take_our_functions():
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attend(module, query, key, value, attention_mask, **kwargs):  # pragma: no cover - not called
+        return query, None
+
+    compat.register_attention("smart_batching_compat_probe", attend)
+    compat.register_attention_mask("smart_batching_compat_probe", compat.sdpa_mask())
+    assert transformers.AttentionInterface()["smart_batching_compat_probe"] is attend
+    assert AttentionMaskInterface()["smart_batching_compat_probe"] is compat.sdpa_mask()
+
+
+def test_sdpa_forward_and_mask_builder_have_the_signatures_we_call():
+    q = torch.randn(1, 2, 3, 4)
+    out, _ = compat.sdpa_attention_forward()(
+        torch.nn.Module(), q, q, q, None, dropout=0.0, scaling=None, is_causal=True
+    )
+    assert out.shape == (1, 3, 2, 4)  # (batch, seq, heads, head_dim), as our forward returns
+    mask = compat.sdpa_mask()(
+        batch_size=1, q_length=3, kv_length=3, q_offset=0, kv_offset=0,
+        attention_mask=torch.tensor([[0, 1, 1]]), allow_is_causal_skip=False,
+    )  # fmt: skip
+    assert mask is not None and mask.shape[-2:] == (3, 3)
+
+
+def test_switching_the_attention_implementation(llama):
+    assert compat.can_set_attn_implementation(llama)
+    old = llama.config._attn_implementation
+    compat.set_attn_implementation(llama, "eager")
+    assert llama.config._attn_implementation == "eager"
+    compat.set_attn_implementation(llama, old)
+
+
+def test_causal_lm_class_names_include_llama():
+    names = compat.causal_lm_class_names()
+    assert "LlamaForCausalLM" in names and "BertModel" not in names
+
+
+def test_the_trainer_still_has_every_hook_we_override():
+    assert compat.missing_trainer_hooks() == []
+    compat.check_trainer_hooks()
+
+
+def test_a_moved_trainer_hook_is_named():
+    class Moved(transformers.Trainer):
+        def get_batch_samples(self, iterator, n):  # pragma: no cover - only inspected
+            return [], None
+
+    assert compat.missing_trainer_hooks(Moved) == [
+        "get_batch_samples(epoch_iterator)",
+        "get_batch_samples(num_batches)",
+        "get_batch_samples(device)",
+    ]
+
+
+def test_seed_worker_and_checkpoint_helpers(tmp_path):
+    compat.seed_worker(0, num_workers=1, rank=0)
+    a = torch.rand(1)
+    compat.seed_worker(0, num_workers=1, rank=0)
+    assert torch.equal(a, torch.rand(1))  # seeds deterministically from the worker's torch seed
+    prefix = compat.checkpoint_prefix()
+    assert compat.last_checkpoint(str(tmp_path)) is None
+    for step in (5, 20):
+        (tmp_path / f"{prefix}-{step}").mkdir()
+    assert compat.last_checkpoint(str(tmp_path)) == str(tmp_path / f"{prefix}-20")
+
+
+def test_batch_sampler_shard_becomes_a_passthrough():
+    from accelerate.data_loader import BatchSamplerShard
+
+    batches = [[0, 1], [2], [3, 4, 5], [6]]
+    shard = BatchSamplerShard(batches, num_processes=2, process_index=1)
+    assert list(shard) != batches  # accelerate deals batches across ranks
+
+    class Loader:
+        batch_sampler = shard
+
+    assert compat.make_shard_passthrough(Loader, batches)
+    assert list(shard) == batches
+    assert not compat.make_shard_passthrough(Loader, [[0]])  # not our sampler: left alone
+
+
+def test_sequence_parallelism_flag():
+    class Accelerator:
+        parallelism_config = None
+
+    assert not compat.sequence_parallel_enabled(Accelerator)
+    from accelerate import Accelerator as Real
+
+    assert not compat.sequence_parallel_enabled(Real(cpu=True))
+
+
+def test_trl_sft_trainer_overrides_compute_loss():
+    """``target_logits_only`` steps aside for a subclass ``compute_loss``; TRL's ``SFTTrainer`` has one."""
+    trl = pytest.importorskip("trl")
+    assert "compute_loss" in vars(trl.SFTTrainer)
+
+
+def test_a_broken_check_raises_a_config_error_naming_the_version(monkeypatch):
+    monkeypatch.setattr(compat, "missing_trainer_hooks", lambda: ["_run_epoch"])
+    with pytest.raises(
+        ConfigError, match=rf"transformers {transformers.__version__}'s Trainer no longer has _run_epoch"
+    ):
+        compat.check_trainer_hooks()
