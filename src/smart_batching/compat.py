@@ -18,7 +18,8 @@ attention registries                      :func:`register_attention`, :func:`reg
 SDPA kernel and mask builder              :func:`sdpa_attention_forward`, :func:`sdpa_mask`
 switching attention on a loaded model     :func:`set_attn_implementation`, :func:`can_set_attn_implementation`
 causal-LM classes                         :func:`causal_lm_class_names`
-Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`
+Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
+                                          :data:`TRAINER_ATTRIBUTES`
 DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
 accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
@@ -148,7 +149,10 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_run_epoch": ("epoch", "epochs_trained", "steps_trained_in_current_epoch", "resume_from_checkpoint"),
     "_save_checkpoint": ("model", "trial"),
     "_get_output_dir": ("trial",),
+    "get_tp_size": (),
 }
+# Attributes a Trainer instance sets in __init__ that the loss override reads.
+TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func", "accelerator")
 
 
 def missing_trainer_hooks(trainer_class: type | None = None) -> list[str]:

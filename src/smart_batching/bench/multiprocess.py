@@ -46,6 +46,14 @@ WORKER_MODULE = "smart_batching.bench.multiprocess"
 JOB_NAME = "bench.pt"
 
 
+def _add_counts(counts: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
 def merge_measurements(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One measurement from every rank's (``parts[r]``: rank ``r``'s, as :func:`~.training.train_run` returns).
 
@@ -73,6 +81,7 @@ def merge_measurements(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         step_seconds=slowest("step_seconds"),
         iteration_seconds=slowest("iteration_seconds"),
         peak_memory_mb=[v for p in parts for v in p["peak_memory_mb"]],
+        fallbacks=_add_counts(p["fallbacks"] for p in parts),
         memory_start_mb=[v for p in parts for v in p["memory_start_mb"]],
         example_ids=np.concatenate([p["example_ids"] for p in parts]),
         seg_lengths=np.concatenate([p["seg_lengths"] for p in parts]),

@@ -267,6 +267,7 @@ def train_run(
         classification_loss,
     )
     from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+    from smart_batching.fallbacks import recorded_fallbacks, reset_fallbacks
     from smart_batching.hf import SmartBatchingTrainer, make_collator
 
     s, bm, data = bench.settings, bench.model, bench.data
@@ -287,6 +288,7 @@ def train_run(
     # Bars only on a terminal; in logs the per-run lines say enough.
     bar = ProgressBar(label, enabled=progress and sys.stderr.isatty())
     model = bm.fresh(bench.device)
+    reset_fallbacks()  # this run's slower paths only
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="smart-batching-bench-") as tmp:
         trainer = SmartBatchingTrainer(
@@ -363,6 +365,7 @@ def train_run(
             "num_truncated_by_plan": int(stats.num_truncated),
             "num_split_by_plan": int(stats.num_split),
         },
+        "fallbacks": recorded_fallbacks(),
         "load_average_start": load_start,
         "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -390,6 +393,7 @@ def _finish_record(
     record.update(
         status="ok",
         world_size=m["world_size"],
+        fallbacks=m["fallbacks"],
         num_steps=m["num_steps"],
         num_examples_seen=examples,
         real_tokens=real,

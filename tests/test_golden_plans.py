@@ -1,0 +1,132 @@
+"""Golden plan hashes: the same lengths, strategy, options, seed and epoch give the same plan, bit for
+bit, as when these hashes were taken (2026-11-25, before the strategy-knowledge refactor of issue 18).
+
+A refactor that must not change behaviour keeps every hash. A change that is meant to alter plans
+(a new algorithm, a fixed bug) updates the hashes it changes in the same commit and says why; run
+``python tests/test_golden_plans.py`` to print the current table. Covered: every strategy's plan for
+three (seed, epoch) pairs, ``distribute()`` at 2 ranks x 1 micro-batch and 4 x 2, and the streaming
+planner over a bounded buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from smart_batching import plan_batches
+from smart_batching.distributed import distribute
+
+CASES = [
+    ("sft", "random", {"batch_size": 16}),
+    ("sft", "max_length", {"batch_size": 16, "max_length": 1000}),
+    ("sft", "group_by_length", {"batch_size": 16}),
+    ("sft", "token_budget", {"max_tokens": 4096}),
+    ("sft", "packed", {"capacity": 2048}),
+    ("long", "group_by_length", {"batch_size": 8}),
+    ("long", "token_budget", {"max_tokens": 16384}),
+    ("long", "packed", {"capacity": 8192}),
+]
+GOLDEN = {
+    "sft/random/0/0": "4ef76fce808487c3",
+    "sft/random/0/1": "5fa6fc2e6a0d8e3f",
+    "sft/random/7/0": "723b871bdcd5ccc5",
+    "sft/random/distribute/2x1": "477d9adfb665d7a2",
+    "sft/random/distribute/4x2": "b57ddfa0e0f68f08",
+    "sft/random/stream": "2b1b0d14775fbacf",
+    "sft/max_length/0/0": "34d22a101a96a949",
+    "sft/max_length/0/1": "3a5396ba843e390d",
+    "sft/max_length/7/0": "fc02e45195f5e4ab",
+    "sft/max_length/distribute/2x1": "477d9adfb665d7a2",
+    "sft/max_length/distribute/4x2": "b57ddfa0e0f68f08",
+    "sft/max_length/stream": "2b1b0d14775fbacf",
+    "sft/group_by_length/0/0": "f8d03c6105e4a93f",
+    "sft/group_by_length/0/1": "25c8b7c21345253d",
+    "sft/group_by_length/7/0": "bafa4e89cca85440",
+    "sft/group_by_length/distribute/2x1": "c88c88f07a4aaada",
+    "sft/group_by_length/distribute/4x2": "1a158e8f638206e2",
+    "sft/group_by_length/stream": "8709ac8a0b648709",
+    "sft/token_budget/0/0": "b55296f9167e5970",
+    "sft/token_budget/0/1": "541fd2ff777c02bd",
+    "sft/token_budget/7/0": "77ff152d8bc3a547",
+    "sft/token_budget/distribute/2x1": "1158b5101b8ff5fa",
+    "sft/token_budget/distribute/4x2": "72f549b4f1cd63c2",
+    "sft/token_budget/stream": "bf70ae0da7c1b5d3",
+    "sft/packed/0/0": "86efc9daa23943be",
+    "sft/packed/0/1": "0776d4bcff018072",
+    "sft/packed/7/0": "7cbaae12edc002c4",
+    "sft/packed/distribute/2x1": "830c79e08cdec336",
+    "sft/packed/distribute/4x2": "0f7c392b448f7f37",
+    "sft/packed/stream": "8104e1ea248fc4a4",
+    "long/group_by_length/0/0": "c058c5745b05e6ce",
+    "long/group_by_length/0/1": "e645b3876c4d6fd4",
+    "long/group_by_length/7/0": "7d0034f61daddabf",
+    "long/group_by_length/distribute/2x1": "92efe0da7b3682f4",
+    "long/group_by_length/distribute/4x2": "e106842749f96643",
+    "long/group_by_length/stream": "160f360e97db60ec",
+    "long/token_budget/0/0": "dbaf934e9cbc70ec",
+    "long/token_budget/0/1": "13c18bfe821f72fe",
+    "long/token_budget/7/0": "d9accbee3cd13b77",
+    "long/token_budget/distribute/2x1": "e2dd7a2e09429089",
+    "long/token_budget/distribute/4x2": "ba0502fb89123d93",
+    "long/token_budget/stream": "bebbab6712d95486",
+    "long/packed/0/0": "e6c6bc84eb524689",
+    "long/packed/0/1": "00b05ba131634b2a",
+    "long/packed/7/0": "52ef94c3a0e0a1a3",
+    "long/packed/distribute/2x1": "7e9b870678132cec",
+    "long/packed/distribute/4x2": "2a78b8c86a9767d0",
+    "long/packed/stream": "bed279f7cf6a02c0",
+}
+
+
+def _lengths(data: str) -> np.ndarray:
+    # SFT-like (median 180 tokens) and long-context-like (median 900, heavy tail) lognormal lengths.
+    n, seed, median, sigma, cap = {"sft": (3000, 1, 180, 0.5, 1000), "long": (800, 2, 900, 1.0, 8000)}[data]
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(median), sigma, n), 1, cap).astype(np.int64)
+
+
+def _hash(*arrays: np.ndarray) -> str:
+    m = hashlib.sha256()
+    for a in arrays:
+        m.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        m.update(b"|")
+    return m.hexdigest()[:16]
+
+
+def current(data: str, name: str, options: dict) -> dict[str, str]:
+    """Every hash of one case, keyed as in :data:`GOLDEN`."""
+    from smart_batching.streaming import StreamingBatcher
+
+    lengths = _lengths(data)
+    out = {}
+    for seed, epoch in ((0, 0), (0, 1), (7, 0)):
+        p = plan_batches(lengths, name, seed=seed, epoch=epoch, **options)
+        out[f"{data}/{name}/{seed}/{epoch}"] = _hash(
+            p.example_ids, p.seg_starts, p.seg_lengths, p.row_offsets, p.batch_offsets, p.batch_width
+        )
+    p = plan_batches(lengths, name, seed=0, epoch=0, **options)
+    for world_size, accum in ((2, 1), (4, 2)):
+        d = distribute(p, world_size, accum_steps=accum, seed=0)
+        out[f"{data}/{name}/distribute/{world_size}x{accum}"] = _hash(
+            d.segment_order, d.unit_start, d.unit_end, d.assignment
+        )
+    batches = StreamingBatcher(lengths.tolist(), name, buffer_size=500, seed=3, **options)
+    text = json.dumps([[repr(s) for s in batch] for batch in batches])
+    out[f"{data}/{name}/stream"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return out
+
+
+@pytest.mark.parametrize(("data", "name", "options"), CASES, ids=[f"{d}-{n}" for d, n, _ in CASES])
+def test_plans_are_unchanged(data, name, options):
+    got = current(data, name, options)
+    want = {k: v for k, v in GOLDEN.items() if k.startswith(f"{data}/{name}/")}
+    assert got == want, "plans changed: update GOLDEN only if the change is meant (see the module docstring)"
+
+
+if __name__ == "__main__":
+    for case in CASES:
+        for key, value in current(*case).items():
+            print(f'    "{key}": "{value}",')
