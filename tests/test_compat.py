@@ -42,6 +42,25 @@ def test_cache_argument_is_read_from_the_model_and_a_forward_takes_it(llama):
     assert torch.allclose(step.logits[0, -1], full.logits[0, -1], atol=1e-5)  # the cache was really used
 
 
+def test_generate_takes_the_cache_under_transformers_name(llama):
+    name = compat.generate_cache_kwarg(llama)
+    assert name == ("cache" if Version("5.24") <= TRANSFORMERS else "past_key_values")
+    prompt = torch.tensor([[1, 2, 3, 4]])
+
+    def continued(prefix: list[int]) -> list[int]:
+        cache = compat.new_dynamic_cache(llama)
+        with torch.inference_mode():
+            llama(input_ids=torch.tensor([prefix]), use_cache=True, **{compat.cache_kwarg(llama): cache})
+            return llama.generate(
+                input_ids=prompt, max_new_tokens=4, do_sample=False, **{name: cache}
+            ).tolist()
+
+    with torch.inference_mode():
+        ref = llama.generate(input_ids=prompt, max_new_tokens=4, do_sample=False).tolist()
+    assert continued([1, 2, 3]) == ref  # the prompt's own prefix: the same tokens
+    assert continued([60, 61, 62]) != ref  # another prefix's cache changes them: generate read it
+
+
 def test_a_model_without_a_cache_argument_has_none():
     encoder = transformers.BertForSequenceClassification(transformers.BertConfig(num_hidden_layers=1))
     assert compat.cache_kwarg(encoder) is None

@@ -11,7 +11,8 @@ Nothing here is imported by ``import smart_batching``; each function imports wha
 ========================================  ===================================================================
 detail                                    function
 ========================================  ===================================================================
-KV-cache argument (``cache`` / ``past_key_values``)   :func:`cache_kwarg`, :func:`output_cache`
+KV-cache argument (``cache`` / ``past_key_values``)   :func:`cache_kwarg`, :func:`generate_cache_kwarg`,
+                                          :func:`output_cache`
 what a ``forward`` takes                  :func:`forward_accepts`
 ``DynamicCache`` / ``DynamicLayer``       :func:`new_dynamic_cache`, :func:`dynamic_layer_class`
 attention registries                      :func:`register_attention`, :func:`register_attention_mask`
@@ -58,6 +59,16 @@ def cache_kwarg(model: Any) -> str | None:
     signature, never assumed. None: the model takes no KV cache.
     """
     params = _params(model.forward)
+    return next((name for name in CACHE_KWARGS if name in params), None)
+
+
+def generate_cache_kwarg(model: Any) -> str | None:
+    """The name under which ``model.generate`` takes a KV cache to continue from.
+
+    That is transformers' name, not the forward's: ``generate`` hands the cache to the model's
+    ``prepare_inputs_for_generation`` (``cache`` on transformers >= 5.24, ``past_key_values`` before).
+    """
+    params = _params(model.prepare_inputs_for_generation)
     return next((name for name in CACHE_KWARGS if name in params), None)
 
 
@@ -153,6 +164,10 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
 }
 # Attributes a Trainer instance sets in __init__ that the loss override reads.
 TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func", "accelerator")
+
+
+# TrainingArguments.train_sampling_strategy values that leave HF's shuffled sampler in place.
+TRAINER_DEFAULT_SAMPLING = ("random", None)
 
 
 def missing_trainer_hooks(trainer_class: type | None = None) -> list[str]:

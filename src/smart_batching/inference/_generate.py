@@ -122,8 +122,8 @@ def _left_padded(rows: list[list[int]], prefix: list[int], pad_id: int) -> tuple
     return ids, mask
 
 
-def _cache_name(model: Any) -> str:
-    name = compat.cache_kwarg(model)
+def _cache_name(model: Any, *, for_generate: bool = False) -> str:
+    name = compat.generate_cache_kwarg(model) if for_generate else compat.cache_kwarg(model)
     if name is None:
         raise ConfigError(
             f"prefix_sharing=True needs a model whose forward takes a KV cache; {type(model).__name__}.forward "
@@ -373,7 +373,7 @@ def _run_planned(
         slots += input_ids.size
         kwargs = dict(generate_kwargs)
         if past is not None:
-            kwargs[_cache_name(model)] = past
+            kwargs[_cache_name(model, for_generate=True)] = past
         with torch.inference_mode():
             out = model.generate(
                 input_ids=torch.from_numpy(input_ids).to(model.device),
