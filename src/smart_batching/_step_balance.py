@@ -2,8 +2,8 @@
 
 - :func:`repartition_step` deals a step's segments again, costliest first to the least-loaded rank;
   :func:`balance_step` moves or swaps single segments between its heaviest and lightest rank.
-- :class:`UnitLimits`: what a micro-batch may hold after balancing: pack capacity, token budget
-  (rows × longest) and ``max_batch_size``, or batch size plus one eighth for fixed-size batches.
+- :class:`~smart_batching.planners.UnitLimits`: what a micro-batch may hold after balancing, as the
+  strategy's spec says (``spec.unit_limits()``).
 - Steps these leave uneven are formed again by :mod:`._step_reform`.
 
 Every segment stays in exactly one micro-batch and no micro-batch is left empty. Pure NumPy and
@@ -12,13 +12,9 @@ Python over one step's segments; the loops run only for the uneven steps.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import numpy as np
 
-from smart_batching.plan import BatchPlan
+from smart_batching.planners import UnitLimits
 
 BALANCE_TOLERANCE = 1.005  # steps more uneven than this get segments moved between ranks
 
@@ -55,52 +51,6 @@ def lpt_pieces(
         else:
             return None
     return pieces
-
-
-@dataclass(frozen=True)
-class UnitLimits:
-    """What a micro-batch may hold after balancing, by strategy."""
-
-    capacity: int | None  # packed: tokens per row
-    rows_per_unit: int  # packed: rows per micro-batch
-    max_tokens: int | None  # token_budget: rows × longest
-    max_rows: int | None  # most examples per micro-batch (fixed sizes: a little slack allowed)
-    batch_size: int | None = None  # fixed-size strategies: the planned size, without the slack
-
-    @classmethod
-    def of(cls, plan: BatchPlan) -> UnitLimits:
-        spec = plan.spec
-        if plan.capacity is not None:
-            return cls(plan.capacity, getattr(spec, "rows_per_batch", 1), None, None)
-        if plan.strategy == "token_budget":
-            return cls(None, 1, spec.max_tokens, getattr(spec, "max_batch_size", None))
-        bs = getattr(spec, "batch_size", None)
-        return cls(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
-
-    def fits(self, lengths: np.ndarray, *, planned: bool = False) -> bool:
-        """Whether a micro-batch of segments with these token lengths respects the limits;
-        ``planned`` holds fixed-size batches to the planned size (no slack)."""
-        return self.admits(lengths.size, int(lengths.sum()), int(lengths.max(initial=0)), planned=planned)
-
-    def admits(self, rows: int, tokens: int, longest: int, *, planned: bool = False) -> bool:
-        """:meth:`fits` for a micro-batch of ``rows`` segments, ``tokens`` in all, the longest ``longest``."""
-        if self.capacity is not None:
-            return tokens <= self.capacity * self.rows_per_unit
-        max_rows = self.batch_size if planned and self.batch_size is not None else self.max_rows
-        if max_rows is not None and rows > max_rows:
-            return False
-        return self.max_tokens is None or rows * longest <= self.max_tokens
-
-    def headroom(self, rows: int, tokens: int, longest: int, cost_of_length: Callable[[int], int]) -> float:
-        """Most cost a micro-batch could still take in segments no longer than its longest one."""
-        if rows == 0:
-            return math.inf
-        if self.capacity is not None:
-            return cost_of_length(self.capacity * self.rows_per_unit - tokens)
-        most = math.inf if self.max_rows is None else self.max_rows
-        if self.max_tokens is not None:
-            most = min(most, self.max_tokens // max(longest, 1))
-        return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
 
 
 def _step_imbalance(step: np.ndarray, members: dict[int, list[int]], seg_cost: np.ndarray) -> float:

@@ -31,19 +31,18 @@ import numpy as np
 
 from smart_batching.errors import ConfigError, DataError, OverlongError
 from smart_batching.plan import as_lengths
-from smart_batching.planners import OVERLONG_POLICIES, REGISTRY, make_spec, plan_batches
-
-DEFAULT_STRATEGIES = (
-    "random",
-    "max_length",
-    "group_by_length",
-    "group_by_length[sorted]",
-    "token_budget",
-    "packed",
+from smart_batching.planners import (
+    OVERLONG_POLICIES,
+    Knobs,
+    analysis_rows,
+    make_spec,
+    parse_strategy,
+    plan_batches,
+    spec_class,
 )
 
-# strategy -> the spec field a bracketed variant sets, e.g. group_by_length[sorted] -> mode="sorted"
-VARIANT_FIELDS = {"group_by_length": "mode", "packed": "algorithm"}
+DEFAULT_STRATEGIES = analysis_rows()
+"""Rows shown by default: every built-in strategy and its ``name[variant]`` rows (e.g. ``group_by_length[sorted]``)."""
 
 TOKEN_ROUNDING = 64  # default max_tokens is rounded up to a multiple of this (a GPU-friendly size)
 
@@ -89,44 +88,11 @@ def default_max_tokens(lengths: np.ndarray, batch_size: int) -> int:
     return max(TOKEN_ROUNDING, -(-raw // TOKEN_ROUNDING) * TOKEN_ROUNDING)
 
 
-def parse_strategy(name: str) -> tuple[str, dict[str, Any]]:
-    """Split a row name such as ``group_by_length[sorted]`` into ``("group_by_length", {"mode": "sorted"})``.
-
-    Raises:
-        ConfigError: unknown strategy, or a variant on a strategy that has none.
-    """
-    base, variant = name, None
-    if name.endswith("]") and "[" in name:
-        base, variant = name[:-1].split("[", 1)
-    if base not in REGISTRY:
-        raise ConfigError(f"strategies=: unknown strategy {name!r}; choose from {', '.join(REGISTRY)}")
-    if variant is None:
-        return base, {}
-    if base not in VARIANT_FIELDS:
-        raise ConfigError(f"strategies=: {base!r} takes no [variant] (got {name!r})")
-    return base, {VARIANT_FIELDS[base]: variant}
-
-
 def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{name}= must be a positive integer, got {value!r}")
-
-
-def _spec_options(
-    base: str, batch_size: int, max_tokens: int, capacity: int, limit: int, top: int, overlong: str
-) -> dict[str, Any]:
-    if base in ("random", "group_by_length"):
-        return {"batch_size": batch_size, "max_length": limit, "overlong": overlong}
-    if base == "max_length":
-        # Pad to the longest example, or to the limit when some are longer (then they follow `overlong`).
-        return {"batch_size": batch_size, "max_length": max(1, min(limit, top)), "overlong": overlong}
-    if base == "token_budget":
-        return {"max_tokens": max_tokens, "max_length": limit, "overlong": overlong}
-    if base == "packed":
-        return {"capacity": capacity, "rows_per_batch": 1, "overlong": overlong}
-    return {}  # a strategy registered later: its own defaults
 
 
 def analyze(
@@ -180,7 +146,7 @@ def analyze(
         raise ConfigError(f"overlong= must be one of {', '.join(OVERLONG_POLICIES)}; got {overlong!r}")
     if isinstance(strategies, str):
         strategies = [strategies]
-    names = list(DEFAULT_STRATEGIES if strategies is None else strategies)
+    names = list(analysis_rows() if strategies is None else strategies)
     if not names:
         raise ConfigError("strategies= is empty; name at least one strategy")
     parsed = [parse_strategy(name) for name in names]
@@ -209,7 +175,11 @@ def analyze(
 
     records = []
     for name, (base, variant) in zip(names, parsed, strict=True):
-        options = _spec_options(base, batch_size, max_tokens, capacity, limit, top, overlong)
+        knobs = Knobs(
+            batch_size=batch_size, max_tokens=max_tokens, capacity=capacity, max_length=limit,
+            overlong=overlong, longest=top,
+        )  # fmt: skip
+        options = spec_class(base).options_from(knobs)
         spec = make_spec(base, **options, **variant)
         # Warm-up on a few examples: loading or compiling the numba kernels is not planning time.
         plan_batches(arr[:256], spec, seed=seed)

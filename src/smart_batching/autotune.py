@@ -26,7 +26,7 @@ import numpy as np
 
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan, as_lengths
-from smart_batching.planners import plan_batches
+from smart_batching.planners import DEFAULT_STRATEGY, plan_batches, spec_class, strategy_names
 
 DEFAULT_CANDIDATES = tuple(2**k for k in range(8, 18))  # 256 .. 131072 tokens
 
@@ -56,7 +56,7 @@ def _trial_batch(plan: BatchPlan, vocab_size: int, device: Any) -> dict[str, Any
 
     rows, width, segs = costliest_batch_shape(plan)
     g = torch.Generator().manual_seed(0)
-    if plan.capacity is not None:  # packed: one padding-free row, as PackingCollator builds it
+    if plan.spec.packs_rows:  # one padding-free row, as PackingCollator builds it
         from smart_batching.collate import PackingCollator
 
         feats = [
@@ -72,7 +72,7 @@ def _trial_batch(plan: BatchPlan, vocab_size: int, device: Any) -> dict[str, Any
 def find_max_tokens(
     model: Any,
     lengths: Any,
-    strategy: str = "token_budget",
+    strategy: str = DEFAULT_STRATEGY,
     *,
     memory_cap_bytes: int | None = None,
     candidates: Sequence[int] = DEFAULT_CANDIDATES,
@@ -86,7 +86,8 @@ def find_max_tokens(
         model: the model to train (a transformers model taking ``input_ids``/``labels``); it is run
             in train mode and its gradients are cleared afterwards.
         lengths: (num_examples,) token lengths of the training data.
-        strategy: ``"token_budget"`` (the budget is ``max_tokens``) or ``"packed"`` (``capacity``).
+        strategy: A strategy with a budget (its spec's ``budget_option``: ``max_tokens`` for
+            ``token_budget``, ``capacity`` for ``packed``).
         memory_cap_bytes: peak memory allowed; required on CPU. On CUDA, None means "until OOM".
         candidates: budgets to try, in tokens (tried in rising order).
         autocast_dtype: e.g. ``torch.bfloat16`` to run the trials under autocast, as training will.
@@ -97,8 +98,10 @@ def find_max_tokens(
     """
     import torch
 
-    if strategy not in ("token_budget", "packed"):
-        raise ConfigError(f"max_tokens='auto' applies to token_budget or packed, not {strategy!r}")
+    key = spec_class(strategy).budget_option
+    if key is None:
+        budgeted = [n for n in strategy_names() if spec_class(n).budget_option]
+        raise ConfigError(f"max_tokens='auto' applies to {' or '.join(budgeted)}, not {strategy!r}")
     lengths = as_lengths(lengths)
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -107,7 +110,6 @@ def find_max_tokens(
             "max_tokens='auto' on CPU needs an explicit memory cap: pass memory_cap_bytes= (e.g. 8 * 2**30)"
         )
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 1000) or 1000)
-    key = "max_tokens" if strategy == "token_budget" else "capacity"
     longest = int(lengths.max(initial=1))
     tried = sorted({int(c) for c in candidates})
     options.setdefault("overlong", "truncate")

@@ -20,13 +20,24 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from smart_batching.errors import DataError
 
 PLAN_FORMAT_VERSION = 1
+
+
+class Segment(NamedTuple):
+    """A dataset key for a piece of an example: tokens ``[start, start + length)`` of ``example``.
+
+    Samplers yield these in place of example indices when an overlong policy split or truncated an
+    example (:class:`~smart_batching.sampler.SegmentDataset` fetches the window)."""
+
+    example: int
+    start: int
+    length: int
 
 
 def as_lengths(lengths: Any, *, name: str = "lengths") -> np.ndarray:

@@ -35,24 +35,16 @@ batch.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from smart_batching.errors import ConfigError
-from smart_batching.plan import BatchPlan, as_lengths
+from smart_batching.plan import BatchPlan, Segment, as_lengths
 from smart_batching.planners import make_spec, plan_batches
 
 STATE_VERSION = 1
-
-
-class Segment(NamedTuple):
-    """A dataset key for a piece of an example: tokens ``[start, start + length)`` of ``example``."""
-
-    example: int
-    start: int
-    length: int
 
 
 class SegmentDataset(Dataset):

@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from smart_batching.planners import STRATEGIES
+
 DEMO_SETTINGS: dict[str, Any] = {
     "data": "default",
     "model": "tiny-llama",
-    "strategies": ("random", "max_length", "group_by_length", "token_budget", "packed"),
+    "strategies": STRATEGIES,
     "seeds": (0,),
     "num_examples": 64,
     "batch_size": 8,

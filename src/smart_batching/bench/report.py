@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from smart_batching.bench.plots import plot_eval, plot_lengths, plot_loss_curves, plot_throughput, spread
+from smart_batching.planners import BASELINE_STRATEGY
 
 
 class ReportPaths(NamedTuple):
@@ -56,7 +57,7 @@ def _strategies(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, A
 
 
 def speed_ratios(
-    records: Sequence[dict[str, Any]], baseline: str = "random", *, key: str = "wall_seconds"
+    records: Sequence[dict[str, Any]], baseline: str = BASELINE_STRATEGY, *, key: str = "wall_seconds"
 ) -> dict[str, list[float]]:
     """Per strategy, the speed-up over ``baseline`` for each seed that both ran (same bench).
 

@@ -55,8 +55,9 @@ from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_rec
 from smart_batching.bench.tasks import prepare_bench_data
 from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
 from smart_batching.errors import ConfigError
+from smart_batching.planners import STRATEGIES
 
-DEFAULT_STRATEGIES = ("random", "max_length", "group_by_length", "token_budget", "packed")
+DEFAULT_STRATEGIES = STRATEGIES
 DEFAULT_LR = {"causal": 1e-3, "smollm2": 5e-5, "classifier": 1e-4}
 TOKEN_ROUNDING = 64
 

@@ -22,6 +22,7 @@ import numpy as np
 from smart_batching.bench.machine import PeakMemory, release_memory
 from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.bench.tasks import BenchData, examples_digest, length_histogram
+from smart_batching.planners import Knobs, make_spec, parse_strategy, spec_class
 
 
 @dataclass
@@ -43,17 +44,11 @@ def strategy_options(
     name: str, *, batch_size: int, max_tokens: int, capacity: int
 ) -> tuple[str, dict[str, Any]]:
     """The planner and its options for a strategy name (``group_by_length[sorted]`` variants too)."""
-    from smart_batching.analysis import parse_strategy
 
     base, variant = parse_strategy(name)
-    if base in ("random", "max_length", "group_by_length"):
-        options: dict[str, Any] = {"batch_size": batch_size}
-    elif base == "token_budget":
-        options = {"max_tokens": max_tokens}
-    elif base == "packed":
-        options = {"capacity": capacity, "rows_per_batch": 1}
-    else:  # a strategy registered later: its own defaults
-        options = {}
+    options = spec_class(base).options_from(
+        Knobs(batch_size=batch_size, max_tokens=max_tokens, capacity=capacity)
+    )
     return base, {**options, **variant}
 
 
@@ -176,7 +171,7 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
 
 
 def _skip_reason(bench: BenchContext, base: str) -> str | None:
-    if base == "packed" and bench.model.kind == "classifier":
+    if spec_class(base).packs_rows and bench.model.kind == "classifier":
         return (
             "not applicable to sequence classification: one label per example, but a packed row is pooled "
             "into one vector"
@@ -278,7 +273,7 @@ def train_run(
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     # max_length plans every row at one width, but the padding collators pad to the longest example of
     # the batch; a multiple of the planned width is exactly that width (no example is longer).
-    width = (options.get("max_length") or int(data.lengths.max())) if base == "max_length" else None
+    width = make_spec(base, **options).fixed_width(int(data.lengths.max()))
     if bm.kind == "classifier":
         inner = ClassificationCollator(pad, pad_to_multiple_of=width)
     else:
@@ -478,7 +473,7 @@ def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
     model = bm.fresh(bench.device)
     collate = ClassificationCollator(pad) if bm.kind == "classifier" else PaddingCollator(pad)
     batches = [collate(rows)]
-    if bm.kind == "causal" and any(n.startswith("packed") for n in strategies):
+    if bm.kind == "causal" and any(spec_class(parse_strategy(n)[0]).packs_rows for n in strategies):
         enable_packed_attention(model)
         batches.append(PackingCollator()(rows))
     # One optimizer step too: the first AdamW step allocates its state (seconds for a 135M model).

@@ -22,10 +22,11 @@ import sys
 from typing import Any
 
 from smart_batching.cli.analyze import non_negative_int, positive_int
+from smart_batching.planners import STRATEGIES
 
 DEFAULT_OUT = "out/bench"
 MODELS = ("tiny-llama", "smollm2", "minilm")
-DEFAULT_STRATEGIES = "random,max_length,group_by_length,token_budget,packed"
+DEFAULT_STRATEGIES = ",".join(STRATEGIES)
 
 
 def _int_list(text: str) -> list[int]:

@@ -23,7 +23,13 @@ from typing import Any
 
 from smart_batching.cli.analyze import positive_int
 
-STRATEGY_CHOICES = ("random", "max_length", "group_by_length", "token_budget", "packed")
+
+def strategy_help() -> str:
+    """``--strategy`` help: every registered strategy with its one-line description."""
+    from smart_batching.planners import FASTEST_STRATEGY, spec_class, strategy_names
+
+    listed = "; ".join(f"{name}: {spec_class(name).description}" for name in strategy_names())
+    return f"batching strategy (default: {FASTEST_STRATEGY}). {listed}"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,7 +41,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--data", default="default", help="dataset path, hub name, or 'default' (embedded)")
     p.add_argument("--model", default="tiny-llama", help="tiny-llama (default), smollm2, or a model path")
     p.add_argument("--tokenizer", default="smollm2", help="tokenizer alias, name or path (default: smollm2)")
-    p.add_argument("--strategy", default="packed", choices=STRATEGY_CHOICES)
+    from smart_batching.planners import FASTEST_STRATEGY, strategy_names
+
+    p.add_argument("--strategy", default=FASTEST_STRATEGY, choices=strategy_names(), help=strategy_help())
     p.add_argument(
         "--batch-size", type=positive_int, default=8, help="examples per batch (fixed-size strategies)"
     )
@@ -108,13 +116,15 @@ def run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         num_prompts=1,
     )
-    options = {
-        "random": {"batch_size": args.batch_size},
-        "max_length": {"batch_size": args.batch_size, "max_length": args.max_length},
-        "group_by_length": {"batch_size": args.batch_size},
-        "token_budget": {"max_tokens": max(args.max_tokens, args.max_length)},
-        "packed": {"capacity": max(args.capacity, args.max_length)},
-    }[args.strategy]
+    from smart_batching.planners import Knobs, spec_class
+
+    # Examples are truncated to --max-length, so every budget must hold one; rows padded to one width
+    # are --max-length wide.
+    knobs = Knobs(
+        batch_size=args.batch_size, max_tokens=max(args.max_tokens, args.max_length),
+        capacity=max(args.capacity, args.max_length), longest=args.max_length,
+    )  # fmt: skip
+    options = spec_class(args.strategy).options_from(knobs)
     pad_id = bench_model.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else bench_model.tokenizer.eos_token_id or 0
     counter = TokenCounter(make_collator(args.strategy, pad_token_id=pad_id))

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from smart_batching.planners import make_spec
+from smart_batching.planners import DEFAULT_STRATEGY, make_spec, spec_class
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
 
 # Columns the collators read; everything else (text, messages, ...) is left out of the fetch.
@@ -70,24 +70,21 @@ def default_pad_token_id(processing_class: Any = None, model: Any = None) -> int
     return 0
 
 
-def make_collator(strategy: str, *, pad_token_id: int = 0, **options: Any) -> Callable:
-    """The collator a strategy needs: packing for ``packed``, padding (right side) otherwise.
+def make_collator(strategy: Any, *, pad_token_id: int = 0, **options: Any) -> Callable:
+    """The collator a strategy needs (its spec's :meth:`~smart_batching.planners.PlannerSpec.collator`):
+    packing where rows hold several examples, padding (right side) otherwise.
 
     Args:
-        strategy: A strategy name (``spec.name``).
+        strategy: A strategy name or spec.
         pad_token_id: Written into padding positions (padded strategies only).
         **options: Passed to the collator (e.g. ``pad_to_multiple_of=8``).
     """
-    from smart_batching.collate import PackingCollator, PaddingCollator
-
-    if strategy == "packed":
-        return PackingCollator(**options)
-    return PaddingCollator(pad_token_id, **options)
+    return spec_class(strategy).collator(pad_token_id=pad_token_id, **options)
 
 
 def smart_dataloader(
     dataset: Any,
-    strategy: Any = "token_budget",
+    strategy: Any = DEFAULT_STRATEGY,
     *,
     lengths: Any = None,
     seed: int = 0,

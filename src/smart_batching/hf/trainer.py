@@ -27,7 +27,7 @@ from smart_batching.hf.loss import TokenLossMixin, _detect_shift_labels
 from smart_batching.hf.packed_model import prepare_packed_model
 from smart_batching.hf.resume import ResumeMixin
 from smart_batching.loss import TokenLoss
-from smart_batching.planners import make_spec
+from smart_batching.planners import DEFAULT_STRATEGY, make_spec
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
 
 logger = logging.getLogger("smart_batching.hf")
@@ -43,7 +43,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
     def __init__(
         self,
         *args: Any,
-        strategy: Any = "token_budget",
+        strategy: Any = DEFAULT_STRATEGY,
         strategy_options: Mapping[str, Any] | None = None,
         lengths: Any = None,
         length_column: str | None = "length",
@@ -71,7 +71,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
 
     def setup_smart_batching(
         self,
-        strategy: Any = "token_budget",
+        strategy: Any = DEFAULT_STRATEGY,
         *,
         strategy_options: Mapping[str, Any] | None = None,
         lengths: Any = None,
@@ -86,8 +86,8 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         """Configure smart batching on an initialised trainer.
 
         Args:
-            strategy: A strategy name (``"random"``, ``"group_by_length"``, ``"token_budget"``,
-                ``"packed"``, ``"max_length"``) or a spec.
+            strategy: A registered strategy name (:func:`~smart_batching.planners.strategy_names`) or a
+                spec.
             strategy_options: The spec's fields, e.g. ``{"max_tokens": 16384}`` or ``{"capacity": 4096}``.
                 Batch sizes come from here; ``per_device_train_batch_size`` is not used for training.
             lengths: Token lengths of ``train_dataset``; None reads the ``length_column`` or the
@@ -110,7 +110,8 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                 TRL's ``SFTTrainer``), no router auxiliary loss.
 
         Raises:
-            ConfigError: bad strategy options, or (``packed``) a model that would leak attention.
+            ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
+                attention.
         """
         compat.check_trainer_hooks()
         args = self.args
@@ -137,9 +138,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
 
         if replace_collator:
             pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
-            self.data_collator = make_collator(self.sb_spec.name, pad_token_id=pad)
+            self.data_collator = make_collator(self.sb_spec, pad_token_id=pad)
 
-        if self.sb_spec.name == "packed":
+        if self.sb_spec.packs_rows:
             from smart_batching.attention import install_packed_guard
 
             prepare_packed_model(self.model, packed_attention=packed_attention)
@@ -157,7 +158,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             self._sb_token_loss = TokenLoss(shift_labels=shift)
             self.compute_loss_func = self._sb_token_loss
 
-        if args.train_sampling_strategy not in ("random", None):
+        if args.train_sampling_strategy not in compat.TRAINER_DEFAULT_SAMPLING:
             logger.warning(
                 "train_sampling_strategy=%r is ignored: smart batching plans the batches (strategy %r)",
                 args.train_sampling_strategy,
@@ -242,10 +243,10 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         self.sb_sampler = sampler
         from smart_batching.collate import PaddingCollator
 
-        if self.sb_spec.name == "max_length" and isinstance(self.data_collator, PaddingCollator):
-            # "Longest Sequence" padding: every row padded to the planned width, not the batch's longest.
-            plan = sampler.plan
-            if len(plan):
+        if isinstance(self.data_collator, PaddingCollator):
+            plan = sampler.plan  # the current epoch's, cached for the loader
+            if len(plan) and self.sb_spec.fixed_width(int(plan.lengths.max())) is not None:
+                # One width for every row (max_length): the planned width, not the batch's longest.
                 self.data_collator.pad_to_multiple_of = int(plan.batch_width[0])
 
         dataset = model_input_dataset(self.train_dataset)
@@ -334,7 +335,7 @@ def with_smart_batching(trainer_cls: type) -> type:
     return _MIXED[trainer_cls]
 
 
-def apply_smart_batching(trainer: Any, strategy: Any = "token_budget", **options: Any) -> Any:
+def apply_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **options: Any) -> Any:
     """Switch an existing trainer to planned batches, in place.
 
     The trainer's class is swapped for :func:`with_smart_batching` of it, so its own overrides (e.g.

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from smart_batching.errors import ConfigError
-from smart_batching.planners import plan_batches
+from smart_batching.planners import TokenBudgetSpec, plan_batches
 
 DEFAULT_MAX_TOKENS = {"cpu": 2048, "cuda": 65536}
 """Default token budget per batch (padded tokens, prompt + new tokens for generation) by device type."""
@@ -39,7 +39,7 @@ def _plan_indices(
     batches: list[np.ndarray] = [indices[over][i : i + 1] for i in range(int(over.sum()))]
     if fit.size:
         plan = plan_batches(
-            lengths[fit], "token_budget", max_tokens=max_tokens, max_batch_size=max_batch_size
+            lengths[fit], TokenBudgetSpec(max_tokens=max_tokens, max_batch_size=max_batch_size)
         )
         batches.extend(fit[b] for b in plan)
     # Widest first, so that running out of memory shows in the first batch, not the last.

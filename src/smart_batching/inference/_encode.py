@@ -17,7 +17,7 @@ from smart_batching.inference._common import (
     _progress,
 )
 from smart_batching.inference._results import EncodeResult, EncodeStats
-from smart_batching.planners import plan_batches
+from smart_batching.planners import PackedSpec, plan_batches
 
 
 def _max_positions(model: Any, tokenizer: Any) -> int:
@@ -109,9 +109,8 @@ def encode(
     real = int(lengths.sum())
     slots = 0
     if packed:
-        plan = plan_batches(
-            lengths, "packed", capacity=max(int(max_tokens), int(lengths.max(initial=1))), shuffle=False
-        )
+        capacity = max(int(max_tokens), int(lengths.max(initial=1)))
+        plan = plan_batches(lengths, PackedSpec(capacity=capacity, shuffle=False))
         batches = list(plan)
     else:
         batches = _plan_indices(np.arange(n), lengths, max_tokens, max_batch_size)

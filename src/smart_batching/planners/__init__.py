@@ -1,7 +1,9 @@
-"""Batch planners: one pure function per strategy, registered by name.
+"""Batch planners: one module per strategy (its spec and its planner), registered by name.
 
 A planner maps ``(lengths, spec, rng)`` to the batches of one epoch; :func:`plan_batches` seeds the rng
-from ``(seed, epoch)`` and wraps the result in a :class:`~smart_batching.plan.BatchPlan`.
+from ``(seed, epoch)`` and wraps the result in a :class:`~smart_batching.plan.BatchPlan`. Everything
+else the library needs to know of a strategy it asks the spec (:mod:`smart_batching.planners._spec`):
+no module outside ``planners/`` decides by a strategy's name.
 
 =================  ==========================================================================
 name               what it does
@@ -24,7 +26,9 @@ import numpy as np
 
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan, as_lengths
-from smart_batching.planners._common import OVERLONG_POLICIES, PlannerSpec, PlanParts
+from smart_batching.planners._common import PlanParts
+from smart_batching.planners._rounds import Cut, Room, Tuning
+from smart_batching.planners._spec import OVERLONG_POLICIES, Knobs, PlannerSpec, UnitLimits
 from smart_batching.planners.group_by_length import GroupByLengthSpec, plan_group_by_length
 from smart_batching.planners.max_length import MaxLengthSpec, plan_max_length
 from smart_batching.planners.packed import PackedSpec, plan_packed
@@ -37,8 +41,15 @@ REGISTRY: dict[str, tuple[type[PlannerSpec], Planner]] = {}
 
 
 def register(spec_cls: type[PlannerSpec], planner: Planner) -> None:
-    """Register a strategy under ``spec_cls.name``."""
+    """Register a strategy under ``spec_cls.name`` (a new one, or replacing one of that name)."""
+    if not issubclass(spec_cls, PlannerSpec) or not spec_cls.name:
+        raise ConfigError(f"{spec_cls!r} must be a PlannerSpec subclass with a name")
     REGISTRY[spec_cls.name] = (spec_cls, planner)
+
+
+def unregister(name: str) -> None:
+    """Remove a registered strategy (tests that register a toy one)."""
+    REGISTRY.pop(name, None)
 
 
 for _spec, _fn in (
@@ -51,6 +62,63 @@ for _spec, _fn in (
     register(_spec, _fn)
 
 STRATEGIES = tuple(REGISTRY)
+"""The built-in strategies; :func:`strategy_names` also lists those registered later."""
+
+DEFAULT_STRATEGY = "token_budget"
+"""The library's default (samplers, the Trainer): padded batches under a token budget, which any model
+can train on."""
+
+BASELINE_STRATEGY = "random"
+"""What speed-ups are measured against: shuffled batches with dynamic padding, a plain DataLoader."""
+
+FASTEST_STRATEGY = "packed"
+"""The command line's default for training: no padding at all, but the model needs packed attention."""
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Every registered strategy, built-in ones first."""
+    return tuple(REGISTRY)
+
+
+def spec_class(strategy: str | PlannerSpec) -> type[PlannerSpec]:
+    """The spec class of a registered name (or of a spec).
+
+    Raises:
+        ConfigError: unknown strategy.
+    """
+    if isinstance(strategy, PlannerSpec):
+        return type(strategy)
+    if strategy not in REGISTRY:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of: {', '.join(REGISTRY)}")
+    return REGISTRY[strategy][0]
+
+
+def parse_strategy(name: str) -> tuple[str, dict[str, Any]]:
+    """Split a row name such as ``group_by_length[sorted]`` into ``("group_by_length", {"mode": "sorted"})``.
+
+    Raises:
+        ConfigError: unknown strategy, or a variant on a strategy that has none.
+    """
+    base, variant = name, None
+    if name.endswith("]") and "[" in name:
+        base, variant = name[:-1].split("[", 1)
+    if base not in REGISTRY:
+        raise ConfigError(f"strategies=: unknown strategy {name!r}; choose from {', '.join(REGISTRY)}")
+    if variant is None:
+        return base, {}
+    field = REGISTRY[base][0].variant_option
+    if field is None:
+        raise ConfigError(f"strategies=: {base!r} takes no [variant] (got {name!r})")
+    return base, {field: variant}
+
+
+def analysis_rows() -> tuple[str, ...]:
+    """The rows ``analyze`` shows by default: each strategy, then its ``name[variant]`` rows."""
+    return tuple(
+        row
+        for name, (cls, _) in REGISTRY.items()
+        for row in (name, *(f"{name}[{v}]" for v in cls.analysis_variants))
+    )
 
 
 def make_spec(strategy: str | PlannerSpec, **options: Any) -> PlannerSpec:
@@ -126,9 +194,22 @@ def plan_batches(
 
 
 __all__ = [
+    "BASELINE_STRATEGY",
+    "DEFAULT_STRATEGY",
+    "FASTEST_STRATEGY",
     "OVERLONG_POLICIES",
     "REGISTRY",
     "STRATEGIES",
+    "Cut",
+    "Knobs",
+    "Room",
+    "Tuning",
+    "UnitLimits",
+    "analysis_rows",
+    "parse_strategy",
+    "spec_class",
+    "strategy_names",
+    "unregister",
     "GroupByLengthSpec",
     "MaxLengthSpec",
     "PackedSpec",

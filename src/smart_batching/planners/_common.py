@@ -5,37 +5,14 @@ All functions are vectorised over int64 arrays; none loops in Python per example
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from smart_batching.errors import ConfigError, OverlongError
 from smart_batching.plan import OverlongCounts
 from smart_batching.planners._kernels import counting_sort_shuffled, shuffled_permutation
-
-OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannerSpec:
-    """Base of the per-strategy specs. Subclasses are frozen, keyword-only, validated on creation."""
-
-    name: ClassVar[str] = ""
-
-    def _check_positive(self, field_name: str, value: int | None, *, allow_none: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ConfigError(
-                f"{type(self).__name__}: {field_name}= must be a positive integer, got {value!r}"
-            )
-
-    def _check_overlong(self, value: str) -> None:
-        if value not in OVERLONG_POLICIES:
-            raise ConfigError(
-                f"{type(self).__name__}: overlong= must be one of {', '.join(OVERLONG_POLICIES)}; got {value!r}"
-            )
+from smart_batching.planners._spec import OVERLONG_POLICIES, PlannerSpec  # noqa: F401 (re-exported)
 
 
 class Segments(NamedTuple):

@@ -17,7 +17,7 @@ here, against 6.7 s for transformers' ``LengthGroupedSampler``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -35,6 +35,8 @@ from smart_batching.planners._common import (
     sort_by_length,
 )
 from smart_batching.planners._kernels import sort_blocks_descending
+from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
+from smart_batching.planners._spec import Knobs
 
 MODES = ("megabatch", "sorted")
 
@@ -53,6 +55,9 @@ class GroupByLengthSpec(PlannerSpec):
     """
 
     name: ClassVar[str] = "group_by_length"
+    description: ClassVar[str] = "fixed batch size, similar lengths together (HF megabatches or full sort)"
+    variant_option: ClassVar[str | None] = "mode"
+    analysis_variants: ClassVar[tuple[str, ...]] = ("sorted",)
     batch_size: int = 8
     mode: str = "megabatch"
     megabatch_mult: int | None = None
@@ -69,6 +74,23 @@ class GroupByLengthSpec(PlannerSpec):
             raise ConfigError(
                 f"GroupByLengthSpec: mode= must be one of {', '.join(MODES)}; got {self.mode!r}"
             )
+
+    @classmethod
+    def options_from(cls, knobs: Knobs) -> dict[str, Any]:
+        return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
+
+    def plan_round(
+        self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
+    ) -> Cut:
+        if self.mode == "megabatch":
+            order, _ = megabatch_order(lens, self.batch_size, self.megabatch_mult, rng)
+            shuffle_batches = False
+        else:
+            order, shuffle_batches = sort_by_length(lens, rng), True
+        return fixed_size_round(
+            lens, order, rng, room, batch_size=self.batch_size, drop_last=self.drop_last,
+            shuffle_batches=shuffle_batches,
+        )  # fmt: skip
 
 
 def megabatch_order(

@@ -7,11 +7,14 @@ The other common baseline (``padding="max_length"`` in a tokenizer call). The pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
-from smart_batching.planners._common import PlannerSpec, PlanParts
+from smart_batching.errors import ConfigError
+from smart_batching.planners._common import PlannerSpec, PlanParts, permutation
+from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
+from smart_batching.planners._spec import Knobs
 from smart_batching.planners.random import plan_random
 
 
@@ -27,6 +30,7 @@ class MaxLengthSpec(PlannerSpec):
     """
 
     name: ClassVar[str] = "max_length"
+    description: ClassVar[str] = "shuffle, fixed batch size, pad every row to one length (baseline)"
     batch_size: int = 8
     max_length: int | None = None
     drop_last: bool = False
@@ -36,6 +40,33 @@ class MaxLengthSpec(PlannerSpec):
         self._check_positive("batch_size", self.batch_size)
         self._check_positive("max_length", self.max_length, allow_none=True)
         self._check_overlong(self.overlong)
+
+    @classmethod
+    def options_from(cls, knobs: Knobs) -> dict[str, Any]:
+        # Pad to the longest example, or to the limit when some are longer (then they follow `overlong`).
+        widths = [w for w in (knobs.max_length, knobs.longest) if w is not None]
+        options = knobs.given(batch_size="batch_size", overlong="overlong")
+        if widths:
+            options["max_length"] = max(1, min(widths))
+        return options
+
+    def fixed_width(self, longest: int) -> int | None:
+        return self.max_length if self.max_length is not None else longest
+
+    def check_streamable(self) -> None:
+        if self.max_length is None:
+            raise ConfigError(
+                "max_length streaming needs max_length=: a stream's longest example is unknown until its end"
+            )
+
+    def plan_round(
+        self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
+    ) -> Cut:
+        order = permutation(lens.shape[0], rng)
+        return fixed_size_round(
+            lens, order, rng, room, batch_size=self.batch_size, drop_last=self.drop_last,
+            shuffle_batches=False, width=self.max_length,
+        )  # fmt: skip
 
 
 def plan_max_length(lengths: np.ndarray, spec: MaxLengthSpec, rng: np.random.Generator) -> PlanParts:

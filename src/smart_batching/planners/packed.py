@@ -11,7 +11,7 @@ for comparison (a segment tree over rows, O(n log rows)). Rows are shuffled and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -32,6 +32,8 @@ from smart_batching.planners._kernels import (
     first_fit_decreasing,
     group_by_row,
 )
+from smart_batching.planners._rounds import EMPTY, Cut, Room, Tuning, fits
+from smart_batching.planners._spec import Knobs, UnitLimits
 
 ALGORITHMS = ("auto", "bfd", "fill", "ffd")
 MAX_CAPACITY = 262_143
@@ -62,6 +64,10 @@ class PackedSpec(PlannerSpec):
     """
 
     name: ClassVar[str] = "packed"
+    description: ClassVar[str] = "several examples per fixed-capacity row, best-fit-decreasing"
+    packs_rows: ClassVar[bool] = True
+    budget_option: ClassVar[str | None] = "capacity"
+    variant_option: ClassVar[str | None] = "algorithm"
     capacity: int = 4096
     rows_per_batch: int = 1
     algorithm: str = "auto"
@@ -78,6 +84,61 @@ class PackedSpec(PlannerSpec):
             )
         if self.capacity > MAX_CAPACITY:
             raise ConfigError(f"PackedSpec: capacity= must be at most {MAX_CAPACITY}; got {self.capacity}")
+
+    @classmethod
+    def options_from(cls, knobs: Knobs) -> dict[str, Any]:
+        given = knobs.given(capacity="capacity", overlong="overlong")
+        return {**given, "rows_per_batch": 1} if knobs.capacity is not None else given
+
+    def token_limit(self) -> tuple[int | None, str]:
+        return self.capacity, "capacity"
+
+    def unit_limits(self) -> UnitLimits:
+        return UnitLimits(self.capacity, self.rows_per_batch, None, None)
+
+    def plan_round(
+        self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
+    ) -> Cut:
+        """Pack the buffer; rows still under ``tuning.min_row_fill`` (emptiest first) and a reserve of
+        the last, fullest rows (they hold the shortest examples, which close the next round's gaps) stay
+        in the buffer, room permitting."""
+        cap = self.capacity
+        by_size = sort_by_length(lens, rng, descending=True)  # (m,)
+        sizes = lens[by_size]  # (m,) decreasing
+        row_of, num_rows = pack(sizes, cap, self.algorithm)
+        fill = np.bincount(row_of, weights=sizes, minlength=num_rows).astype(np.int64)  # (num_rows,) tokens
+        keep_rows = EMPTY
+        if room is not None:
+            count = np.bincount(row_of, minlength=num_rows)  # (num_rows,) segments
+            full = fill >= tuning.min_row_fill * cap
+            under = np.flatnonzero(~full)
+            under = under[np.argsort(fill[under], kind="stable")]  # emptiest first: most to gain
+            last = np.flatnonzero(full)[::-1]
+            reserve = tuning.reserve * lens.shape[0]
+            last = last[: int(np.searchsorted(np.cumsum(count[last]), reserve, side="right"))]
+            candidates = np.concatenate([under, last])
+            keep_rows = candidates[: fits(count[candidates], fill[candidates], room)]
+        emit = np.ones(num_rows, dtype=bool)
+        emit[keep_rows] = False
+        emit_rows = np.flatnonzero(emit)
+        if self.shuffle and emit_rows.shape[0] > 1:
+            emit_rows = emit_rows[permutation(emit_rows.shape[0], rng)]
+        extra = emit_rows.shape[0] % self.rows_per_batch
+        if room is not None and extra:
+            # Rows that do not make a whole batch wait for the next round, room permitting.
+            kept = np.concatenate([keep_rows, emit_rows[-extra:]])
+            counts = np.bincount(row_of, minlength=num_rows)[kept]
+            if fits(counts, fill[kept], room) == kept.shape[0]:
+                keep_rows, emit_rows = kept, emit_rows[:-extra]
+        num_emit, num_keep = emit_rows.shape[0], keep_rows.shape[0]
+        label = np.empty(num_rows, dtype=np.int64)  # (num_rows,) output row of each packed row
+        label[emit_rows] = np.arange(num_emit, dtype=np.int64)
+        label[keep_rows] = num_emit + np.arange(num_keep, dtype=np.int64)
+        ids, _, offsets = group_by_row(label[row_of], num_rows, by_size, sizes)
+        end = int(offsets[num_emit])
+        batch_offsets = fixed_offsets(num_emit, self.rows_per_batch, drop_last=False)
+        width = np.full(batch_offsets.shape[0] - 1, cap, dtype=np.int64)
+        return Cut(ids[:end], offsets[: num_emit + 1], batch_offsets, width, ids[end:])
 
 
 def refine(

@@ -7,7 +7,7 @@ examples plan in about 0.2 s here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from smart_batching.planners._common import (
     padded_parts,
     permutation,
 )
+from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
+from smart_batching.planners._spec import Knobs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +36,7 @@ class RandomSpec(PlannerSpec):
     """
 
     name: ClassVar[str] = "random"
+    description: ClassVar[str] = "shuffle, fixed batch size, pad to the longest in each batch (baseline)"
     batch_size: int = 8
     drop_last: bool = False
     max_length: int | None = None
@@ -43,6 +46,24 @@ class RandomSpec(PlannerSpec):
         self._check_positive("batch_size", self.batch_size)
         self._check_positive("max_length", self.max_length, allow_none=True)
         self._check_overlong(self.overlong)
+
+    @classmethod
+    def options_from(cls, knobs: Knobs) -> dict[str, Any]:
+        return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
+
+    def plan_round(
+        self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
+    ) -> Cut:
+        order = permutation(lens.shape[0], rng)
+        return fixed_size_round(
+            lens,
+            order,
+            rng,
+            room,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            shuffle_batches=False,
+        )
 
 
 def plan_random(lengths: np.ndarray, spec: RandomSpec, rng: np.random.Generator) -> PlanParts:

@@ -9,24 +9,20 @@ from typing import Any
 import numpy as np
 
 from smart_batching.errors import ConfigError, DataError, OverlongError
-from smart_batching.planners import MaxLengthSpec, PackedSpec, make_spec
+from smart_batching.plan import Segment
+from smart_batching.planners import Room, Tuning, make_spec, spec_class, strategy_names
 from smart_batching.planners._common import apply_overlong
-from smart_batching.sampler import Segment
+from smart_batching.planners._rounds import fits
 from smart_batching.streaming._reader import _is_opener, _Reader
 from smart_batching.streaming._rounds import (
     _INF,
     _NO_SEGS,
     _READ_LENGTHS,
-    _ROUNDS,
     DEFAULT_MIN_ROW_FILL,
     DEFAULT_RESERVE,
     STATE_VERSION,
     _Emission,
-    _fits,
-    _limit_of,
-    _Room,
     _Segs,
-    _Tuning,
 )
 
 # --- The batcher -------------------------------------------------------------------------------------
@@ -141,7 +137,7 @@ class StreamingBatcher:
         One batch at a time: the examples of the batch (row after row) when the source yields
         examples, with ``segment_start``/``segment_length`` added to examples the overlong policy cut
         (the collators in :mod:`smart_batching.collate` slice by them); stream positions (ints) when
-        it yields lengths, with :class:`~smart_batching.sampler.Segment` keys in place of the
+        it yields lengths, with :class:`~smart_batching.plan.Segment` keys in place of the
         examples the overlong policy truncated or split (``SegmentDataset`` takes both).
     """
 
@@ -161,10 +157,8 @@ class StreamingBatcher:
         **options: Any,
     ) -> None:
         self.spec = make_spec(spec_or_name, **options)
-        if self.spec.name not in _ROUNDS:
-            raise ConfigError(
-                f"strategy {self.spec.name!r} cannot stream; choose one of: {', '.join(_ROUNDS)}"
-            )
+        if not self.spec.can_stream():
+            raise ConfigError(f"strategy {self.spec.name!r} cannot stream: it defines no plan_round")
         self.buffer_size = _positive_or_none("buffer_size", buffer_size)
         self.buffer_tokens = _positive_or_none("buffer_tokens", buffer_tokens)
         if self.buffer_size is None and self.buffer_tokens is None:
@@ -176,13 +170,13 @@ class StreamingBatcher:
             raise ConfigError(
                 f"buffer_size={self.buffer_size} is smaller than batch_size={batch_size}: raise buffer_size="
             )
-        if isinstance(self.spec, MaxLengthSpec) and self.spec.max_length is None:
-            raise ConfigError(
-                "max_length streaming needs max_length=: a stream's longest example is unknown until its end"
-            )
+        self.spec.check_streamable()
         for name, value in (("min_row_fill", min_row_fill), ("reserve", reserve)):
-            if value is not None and not isinstance(self.spec, PackedSpec):
-                raise ConfigError(f"{name}= applies to packed only, not to {self.spec.name!r}; leave it out")
+            if value is not None and not self.spec.packs_rows:
+                packing = " or ".join(n for n in strategy_names() if spec_class(n).packs_rows)
+                raise ConfigError(
+                    f"{name}= applies to {packing} only, not to {self.spec.name!r}; leave it out"
+                )
         self.min_row_fill = DEFAULT_MIN_ROW_FILL if min_row_fill is None else float(min_row_fill)
         if not 0.0 <= self.min_row_fill <= 1.0:
             raise ConfigError(f"min_row_fill= must be a fraction in [0, 1], got {min_row_fill!r}")
@@ -193,7 +187,7 @@ class StreamingBatcher:
         self.seed = _non_negative("seed", seed)
         self.length_fn = length_fn
         self.progress = progress
-        self._limit, self._setting = _limit_of(self.spec)
+        self._limit, self._setting = self.spec.token_limit()
         self._policy: str = self.spec.overlong
         self._generation = 0
         self._reset(_non_negative("epoch", epoch))
@@ -437,7 +431,7 @@ class StreamingBatcher:
                     break
             lens, examples = self._pending
             pieces, tokens = self._costs(lens)
-            k = _fits(pieces, tokens, _Room(bound_count - count, bound_tokens - self._buffered_tokens))
+            k = fits(pieces, tokens, Room(bound_count - count, bound_tokens - self._buffered_tokens))
             if k == 0 and count == 0:
                 k = 1  # an example bigger than the whole bound enters alone
             if k:
@@ -489,10 +483,10 @@ class StreamingBatcher:
         room = None
         if need is not None:
             bc, bt = self.buffer_size or _INF, self.buffer_tokens or _INF
-            room = _Room(max(0, min(bc // 2, bc - need[0])), max(0, min(bt // 2, bt - need[1])))
+            room = Room(max(0, min(bc // 2, bc - need[0])), max(0, min(bt // 2, bt - need[1])))
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, self._epoch, self._rounds]))
-        tuning = _Tuning(self.min_row_fill, self.reserve)
-        cut = _ROUNDS[self.spec.name](buf.seg_lengths, self.spec, rng, room, tuning)
+        tuning = Tuning(self.min_row_fill, self.reserve)
+        cut = self.spec.plan_round(buf.seg_lengths, rng, room, tuning)
         self._rounds += 1
         em = _Emission(buf.take(cut.order), cut.row_offsets, cut.batch_offsets, cut.batch_width)
         self._buffer = buf.take(cut.keep)

@@ -12,8 +12,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from smart_batching.distributed import World
 from smart_batching.errors import ConfigError
+from smart_batching.plan import Segment
 from smart_batching.planners import make_spec
-from smart_batching.sampler import Segment
 from smart_batching.streaming._reader import _is_opener
 from smart_batching.streaming._rounds import _END
 from smart_batching.streaming.batcher import StreamingBatcher, _non_negative

@@ -1,0 +1,210 @@
+"""What a strategy is: its spec class, which owns every per-strategy fact the rest of the library asks.
+
+Code outside ``planners/`` never compares a strategy's name or tests a spec class; it asks the spec:
+
+==========================  =======================================================================
+question                    asked as
+==========================  =======================================================================
+planning one epoch          the planner registered with the spec (``planners.register``)
+planning a stream's buffer  ``spec.plan_round(lens, rng, room, tuning)``; ``cls.can_stream()``
+options from shared knobs   ``cls.options_from(Knobs(batch_size=..., max_tokens=..., ...))``
+several examples per row?   ``cls.packs_rows`` (the packing collator, packed attention)
+its collator                ``cls.collator(pad_token_id=..., **options)``
+fixed padded width          ``spec.fixed_width(longest)`` (None: each batch's longest)
+per-example token limit     ``spec.token_limit()`` -> ``(tokens or None, setting name)``
+limits after balancing      ``spec.unit_limits()`` (:class:`UnitLimits`)
+a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` or None)
+``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
+one-line description        ``cls.description``; option docs: ``cls.option_docs()``
+==========================  =======================================================================
+
+Adding a strategy is one module with a spec subclass and a planner, one ``register`` line, and its
+tests (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from smart_batching.errors import ConfigError
+
+if TYPE_CHECKING:
+    from smart_batching.planners._rounds import Cut, Room, Tuning
+
+OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings callers (CLI, analysis, bench) speak in; each strategy takes those it uses.
+
+    None means not given: the strategy keeps its own default for that option.
+
+    Attributes:
+        batch_size: examples per batch (fixed-size strategies).
+        max_tokens: padded tokens per batch (token budgets).
+        capacity: tokens per packed row.
+        max_length: most tokens per example (longer ones follow ``overlong``).
+        overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"``.
+        longest: longest example of the data, for strategies that pad to one width.
+    """
+
+    batch_size: int | None = None
+    max_tokens: int | None = None
+    capacity: int | None = None
+    max_length: int | None = None
+    overlong: str | None = None
+    longest: int | None = None
+
+    def given(self, **mapping: str) -> dict[str, Any]:
+        """``{option: knob value}`` for the knobs that were given (``option=knob name``)."""
+        return {opt: getattr(self, knob) for opt, knob in mapping.items() if getattr(self, knob) is not None}
+
+
+@dataclass(frozen=True)
+class UnitLimits:
+    """What a micro-batch may hold after balancing across ranks (:meth:`PlannerSpec.unit_limits`)."""
+
+    capacity: int | None  # packed: tokens per row
+    rows_per_unit: int  # packed: rows per micro-batch
+    max_tokens: int | None  # token budget: rows × longest
+    max_rows: int | None  # most examples per micro-batch (fixed sizes: a little slack allowed)
+    batch_size: int | None = None  # fixed-size strategies: the planned size, without the slack
+
+    @classmethod
+    def of(cls, plan: Any) -> UnitLimits:
+        """The limits of ``plan``'s strategy."""
+        return plan.spec.unit_limits()
+
+    def fits(self, lengths: np.ndarray, *, planned: bool = False) -> bool:
+        """Whether a micro-batch of segments with these token lengths respects the limits;
+        ``planned`` holds fixed-size batches to the planned size (no slack)."""
+        return self.admits(lengths.size, int(lengths.sum()), int(lengths.max(initial=0)), planned=planned)
+
+    def admits(self, rows: int, tokens: int, longest: int, *, planned: bool = False) -> bool:
+        """:meth:`fits` for a micro-batch of ``rows`` segments, ``tokens`` in all, the longest ``longest``."""
+        if self.capacity is not None:
+            return tokens <= self.capacity * self.rows_per_unit
+        max_rows = self.batch_size if planned and self.batch_size is not None else self.max_rows
+        if max_rows is not None and rows > max_rows:
+            return False
+        return self.max_tokens is None or rows * longest <= self.max_tokens
+
+    def headroom(self, rows: int, tokens: int, longest: int, cost_of_length: Callable[[int], int]) -> float:
+        """Most cost a micro-batch could still take in segments no longer than its longest one."""
+        if rows == 0:
+            return math.inf
+        if self.capacity is not None:
+            return cost_of_length(self.capacity * self.rows_per_unit - tokens)
+        most = math.inf if self.max_rows is None else self.max_rows
+        if self.max_tokens is not None:
+            most = min(most, self.max_tokens // max(longest, 1))
+        return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerSpec:
+    """Base of the per-strategy specs. Subclasses are frozen, keyword-only, validated on creation, and
+    answer every per-strategy question (see the module docstring); the defaults here fit a padded
+    strategy with one example per row."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    packs_rows: ClassVar[bool] = False
+    budget_option: ClassVar[str | None] = None
+    variant_option: ClassVar[str | None] = None
+    analysis_variants: ClassVar[tuple[str, ...]] = ()
+
+    # -- validation helpers ------------------------------------------------------------------------
+
+    def _check_positive(self, field_name: str, value: int | None, *, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ConfigError(
+                f"{type(self).__name__}: {field_name}= must be a positive integer, got {value!r}"
+            )
+
+    def _check_overlong(self, value: str) -> None:
+        if value not in OVERLONG_POLICIES:
+            raise ConfigError(
+                f"{type(self).__name__}: overlong= must be one of {', '.join(OVERLONG_POLICIES)}; got {value!r}"
+            )
+
+    # -- what the rest of the library asks ---------------------------------------------------------
+
+    @classmethod
+    def options_from(cls, knobs: Knobs) -> dict[str, Any]:
+        """This strategy's options from the shared knobs (those it has no use for are ignored)."""
+        return {}
+
+    @classmethod
+    def collator(cls, *, pad_token_id: int = 0, **options: Any) -> Callable:
+        """The collator for this strategy's batches: packing when rows hold several examples, else
+        right padding (``options`` go to the collator, e.g. ``pad_to_multiple_of=8``)."""
+        from smart_batching.collate import PackingCollator, PaddingCollator
+
+        if cls.packs_rows:
+            return PackingCollator(**options)
+        return PaddingCollator(pad_token_id, **options)
+
+    @classmethod
+    def can_stream(cls) -> bool:
+        """Whether the streaming planner can plan this strategy over a bounded buffer."""
+        return cls.plan_round is not PlannerSpec.plan_round
+
+    @classmethod
+    def option_docs(cls) -> dict[str, str]:
+        """``{option: its one-line doc}``, from the ``Attributes:`` section of the spec's docstring."""
+        doc = inspect.getdoc(cls) or ""
+        names = {f.name for f in fields(cls)}
+        out: dict[str, str] = {}
+        current = None
+        for line in doc.split("Attributes:", 1)[-1].splitlines():
+            m = re.match(r"\s{4}(\w+): (.*)", line)
+            if m and m.group(1) in names:
+                current = m.group(1)
+                out[current] = m.group(2).strip()
+            elif current and line.startswith(" " * 8):
+                out[current] += " " + line.strip()
+            elif line.strip():
+                current = None
+        return out
+
+    def fixed_width(self, longest: int) -> int | None:
+        """Padded tokens of every row when the strategy pads all rows to one width (``longest``: the
+        data's longest example); None: each batch is padded to its own longest."""
+        return None
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """Most tokens one segment may hold, and the name of the setting that says so."""
+        return getattr(self, "max_length", None), "max_length"
+
+    def unit_limits(self) -> UnitLimits:
+        """What a micro-batch may hold after balancing across ranks. Default: a fixed batch size,
+        with a little slack (an eighth) for the balancer's moves."""
+        bs = getattr(self, "batch_size", None)
+        return UnitLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
+
+    def check_streamable(self) -> None:
+        """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can)."""
+
+    def plan_round(
+        self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
+    ) -> Cut:
+        """One online planning round over a stream's buffer (:mod:`smart_batching.planners._rounds`).
+
+        Args:
+            lens: ``(m,)`` token lengths of the buffered segments.
+            rng: this round's generator.
+            room: what may stay in the buffer; None at the end of the stream (emit everything).
+            tuning: knobs of strategies that pack rows.
+        """
+        raise ConfigError(f"strategy {self.name!r} cannot stream: it defines no plan_round")
