@@ -285,7 +285,13 @@ def test_spec_objects_and_names_agree() -> None:
 
 
 def test_registry_lists_every_strategy() -> None:
-    assert set(sb.planners.STRATEGIES) == {"random", "max_length", "group_by_length", "token_budget", "packed"}
+    assert set(sb.planners.STRATEGIES) == {
+        "random",
+        "max_length",
+        "group_by_length",
+        "token_budget",
+        "packed",
+    }
     # The contract suite above covers every registered strategy: a new one adds its CONFIGS entries.
     assert set(REGISTRY) == {strategy_of(k) for k in CONFIGS}
 
