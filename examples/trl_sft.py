@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         "strategy": args.strategy,
         "trainer": type(trainer).__name__,
         "attn_implementation": trainer.model.config._attn_implementation,
-        "batches_per_epoch": len(trainer.sb_sampler),
+        "batches_per_epoch": len(trainer.smart_batching.sampler),
         "first_loss": logs[0]["loss"],
         "final_loss": logs[-1]["loss"],
         "train_loss": result.training_loss,

@@ -78,6 +78,6 @@ def test_trainer_resolves_auto(tmp_path) -> None:
         strategy_options={"max_tokens": "auto", "memory_cap_bytes": _peak_rss_bytes() + 8 * 2**30,
                           "tokens_per_step": 4096, "auto_candidates": (512, 1024, 2048)},
     )  # fmt: skip
-    assert trainer.sb_spec.max_tokens == 2048
+    assert trainer.smart_batching.spec.max_tokens == 2048
     assert trainer.args.gradient_accumulation_steps == 2
     assert trainer.train().global_step == 2

@@ -88,7 +88,7 @@ def test_target_only_logits_give_the_same_loss_and_gradients_with_fewer_head_row
 ):
     fast, loss, grads, rows = run(tmp_path, strategy, options, target_logits_only=True)
     full, ref_loss, ref_grads, ref_rows = run(tmp_path, strategy, options, target_logits_only=False)
-    assert fast._sb_target_logits is True and full._sb_target_logits is False
+    assert fast.smart_batching.target_logits is True and full.smart_batching.target_logits is False
     assert abs(loss - ref_loss) <= 1e-5
     assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) <= 1e-5
     assert max(float(g.abs().max()) for g in ref_grads.values()) > 1e-3  # a real update was compared
@@ -132,7 +132,7 @@ def test_a_subclass_compute_loss_or_a_label_smoother_keeps_full_logits(tmp_path)
             target_logits_only=True,
             trainer_cls=with_smart_batching(MetricsTrainer),
         )
-    assert trainer._sb_target_logits is False
+    assert trainer.smart_batching.target_logits is False
     assert sum(w.category is FallbackWarning for w in seen) == 1  # once, not per step
     assert recorded_fallbacks() == {"trainer.target_logits": 1}
     assert all(got == width for got, width in trainer.logit_widths)  # every position of the packed row
@@ -146,12 +146,12 @@ def test_a_subclass_compute_loss_or_a_label_smoother_keeps_full_logits(tmp_path)
     reset_fallbacks()
     with pytest.warns(FallbackWarning, match="label smoother"):
         smoothed.train()
-    assert smoothed._sb_target_logits is False
+    assert smoothed.smart_batching.target_logits is False
 
 
 def test_asking_for_full_logits_is_no_fallback(tmp_path, recwarn):
     trainer, *_ = run(tmp_path, "packed", {"capacity": 192}, target_logits_only=False)
-    assert trainer._sb_target_logits is False
+    assert trainer.smart_batching.target_logits is False
     assert not [w for w in recwarn if w.category is FallbackWarning] and recorded_fallbacks() == {}
 
 

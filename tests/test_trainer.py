@@ -152,7 +152,7 @@ def test_dataloader_yields_exactly_the_planned_batches(tmp_path, strategy):
         strategy_options=STRATEGIES[strategy],
     )
     loader = trainer.get_train_dataloader()
-    plan = trainer.sb_sampler.plan_for_epoch(0)
+    plan = trainer.smart_batching.sampler.plan_for_epoch(0)
     batches = list(loader)
     assert len(batches) == len(loader) == len(plan)
     seen = []
@@ -426,6 +426,6 @@ def test_apply_smart_batching_switches_an_existing_trainer(tmp_path):
     apply_smart_batching(trainer, "packed", capacity=128)
     assert type(trainer).__name__ == "SmartBatchingTrainer" or "SmartBatching" in type(trainer).__name__
     assert isinstance(trainer, Trainer)
-    assert trainer.sb_spec.capacity == 128
+    assert trainer.smart_batching.spec.capacity == 128
     assert np.isfinite(train_loss(trainer))
-    assert len(trainer.sb_sampler) == len(trainer.get_train_dataloader())
+    assert len(trainer.smart_batching.sampler) == len(trainer.get_train_dataloader())

@@ -307,10 +307,10 @@ def train_run(
                 cpu = time.process_time() - cpu_start
         finally:
             bar.close()
-    guard = getattr(trainer, "_sb_guard", None)
+    guard = trainer.smart_batching.guard
     if guard is not None:
         guard.remove()
-    sampler = trainer.sb_sampler
+    sampler = trainer.smart_batching.sampler
     epochs = range(s["epochs"])
     if isinstance(sampler, DistributedSmartBatchSampler):
         # This rank's share of each epoch's balanced plan; the ranks' shares together are the plan.

@@ -19,17 +19,17 @@ logger = logging.getLogger("smart_batching.hf")
 
 
 class TokenLossMixin:
-    """Trainer overrides for the loss; state (``_sb_token_loss``, ``sb_target_logits_only``) is set by
+    """Trainer overrides for the loss; state (``self.smart_batching``: ``token_loss``, ``target_logits_only``) is set by
     :meth:`~smart_batching.hf.SmartBatchingMixin.setup_smart_batching`."""
 
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
     ) -> tuple[list, Any]:
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self._sb_token_loss is not None and batch_samples and "labels" in batch_samples[0]:
+        if self.smart_batching.token_loss is not None and batch_samples and "labels" in batch_samples[0]:
             # Count with the same shift TokenLoss uses (Trainer's own count follows the model's loss_type).
             n = count_target_tokens(
-                [b["labels"] for b in batch_samples], shift_labels=self._sb_token_loss.shift_labels
+                [b["labels"] for b in batch_samples], shift_labels=self.smart_batching.token_loss.shift_labels
             ).to(device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 n = self.accelerator.gather(n).sum()
@@ -79,12 +79,12 @@ class TokenLossMixin:
         Where ``target_logits_only`` (the default) cannot be kept for a causal LM, the full-logits loss
         runs instead (same loss, slower), with one :class:`~smart_batching.fallbacks.FallbackWarning`
         naming the reason."""
-        if self._sb_target_logits is None:
+        if self.smart_batching.target_logits is None:
             reason = self._target_logits_blocker(model)
-            self._sb_target_logits = reason is None
+            self.smart_batching.target_logits = reason is None
             if reason is None:
                 logger.info("smart batching: the LM head runs only at target positions (target_logits_only)")
-            elif self.sb_target_logits_only and reason != _NOT_CAUSAL:
+            elif self.smart_batching.target_logits_only and reason != _NOT_CAUSAL:
                 warn_fallback(
                     "trainer.target_logits",
                     f"the LM head runs at every position (full logits), not only at target positions, "
@@ -92,21 +92,24 @@ class TokenLossMixin:
                     "target_logits_only=False to choose this path (and silence this warning).",
                     stacklevel=2,
                 )
-        return self._sb_target_logits
+        return self.smart_batching.target_logits
 
     def _target_logits_blocker(self, model: Any) -> str | None:
         """Why target-only logits are not exact here; None if they are."""
-        if not self.sb_target_logits_only:
+        if not self.smart_batching.target_logits_only:
             return "target_logits_only=False"
         if not _detect_shift_labels(self):
             return _NOT_CAUSAL
         if self.label_smoother is not None:
             return "a label smoother reads every position's logits (label_smoothing_factor > 0)"
         token_loss = self.compute_loss_func is None and self.model_accepts_loss_kwargs
-        ours = self._sb_token_loss is not None and self.compute_loss_func is self._sb_token_loss
+        ours = (
+            self.smart_batching.token_loss is not None
+            and self.compute_loss_func is self.smart_batching.token_loss
+        )
         if not (token_loss or ours):
             return "a compute_loss_func of the caller's reads the full logits"
-        if ours and not self._sb_token_loss.shift_labels:
+        if ours and not self.smart_batching.token_loss.shift_labels:
             return "shift_labels=False: the loss does not shift labels as a causal LM does"
         # A subclass's compute_loss (e.g. TRL's SFTTrainer, which reads full logits for its metrics) wins.
         mro = type(self).__mro__

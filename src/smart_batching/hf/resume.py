@@ -25,22 +25,25 @@ SAMPLER_STATE_NAME = "smart_batching_sampler.json"
 
 
 class ResumeMixin:
-    """Trainer overrides for epochs, checkpoints and resume; state (``sb_sampler``, ``sb_stream``,
-    ``_sb_*``) is set by :meth:`~smart_batching.hf.SmartBatchingMixin.setup_smart_batching`."""
+    """Trainer overrides for epochs, checkpoints and resume; their state is ``self.smart_batching``
+    (:class:`~smart_batching.hf.state.SmartBatchingState`), set by
+    :meth:`~smart_batching.hf.SmartBatchingMixin.setup_smart_batching`."""
 
     def get_batch_samples(
         self, epoch_iterator: Any, num_batches: int, device: torch.device
     ) -> tuple[list, Any]:
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._sb_consumed += len(batch_samples)  # micro-batches trained, for the checkpoint's cursor
+        self.smart_batching.consumed += len(
+            batch_samples
+        )  # micro-batches trained, for the checkpoint's cursor
         return batch_samples, num_items
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         checkpoint = resume_from_checkpoint
         if isinstance(checkpoint, bool):
             checkpoint = compat.last_checkpoint(self.args.output_dir) if checkpoint else None
-        self._sb_resume_state = read_sampler_state(checkpoint) if checkpoint else None
-        self._sb_resume_checked = self._sb_resume_state is None
+        self.smart_batching.resume_state = read_sampler_state(checkpoint) if checkpoint else None
+        self.smart_batching.resume_checked = self.smart_batching.resume_state is None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.args.world_size > 1:
             # Only after a run that ended well: tearing a group down while another rank still waits in
@@ -50,7 +53,7 @@ class ResumeMixin:
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         # transformers 5.x calls _run_epoch with keywords only.
-        if self.sb_stream is not None:
+        if self.smart_batching.stream is not None:
             return self._run_stream_epoch(*args, **kwargs)
         epoch = kwargs["epoch"]
         resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
@@ -59,10 +62,10 @@ class ResumeMixin:
             if resuming and not self.args.ignore_data_skip
             else 0
         )
-        if not self._sb_resume_checked:
+        if not self.smart_batching.resume_checked:
             self._check_resume_position(epoch, skipped)
-        self._sb_epoch, self._sb_consumed = epoch, skipped
-        if self.sb_sampler is not None and "steps_in_epoch" in kwargs:
+        self.smart_batching.epoch, self.smart_batching.consumed = epoch, skipped
+        if self.smart_batching.sampler is not None and "steps_in_epoch" in kwargs:
             num_batches = self._local_batches(epoch)
             if num_batches != kwargs["steps_in_epoch"]:
                 # Trainer sized every epoch on the first; run this one to its real end instead of cutting it.
@@ -86,12 +89,12 @@ class ResumeMixin:
         """
         epoch = kwargs["epoch"]
         skipped = 0
-        if not self._sb_resume_checked:
-            self._sb_resume_checked = True
-            state = self._sb_resume_state
+        if not self.smart_batching.resume_checked:
+            self.smart_batching.resume_checked = True
+            state = self.smart_batching.resume_state
             if state is not None and not self.args.ignore_data_skip:
                 self._check_stream_state(state)
-                self._sb_stream_offset = int(state["epoch"]) - epoch
+                self.smart_batching.stream_offset = int(state["epoch"]) - epoch
                 skipped = kwargs["steps_trained_in_current_epoch"] = int(state["batches_yielded"])
             elif kwargs.get("resume_from_checkpoint") is not None and not self.args.ignore_data_skip:
                 logger.warning(
@@ -100,22 +103,25 @@ class ResumeMixin:
                     kwargs.get("steps_trained_in_current_epoch", 0),
                 )
                 skipped = kwargs.get("steps_trained_in_current_epoch", 0)
-        self._sb_epoch, self._sb_consumed = epoch + self._sb_stream_offset, skipped
+        self.smart_batching.epoch, self.smart_batching.consumed = (
+            epoch + self.smart_batching.stream_offset,
+            skipped,
+        )
         # A plain DataLoader (or accelerate's skipping copy of it on resume) has no set_epoch.
-        self.sb_stream.set_epoch(self._sb_epoch)
+        self.smart_batching.stream.set_epoch(self.smart_batching.epoch)
         return super()._run_epoch(*args, **kwargs)
 
     def _stream_state(self) -> dict[str, Any]:
         return {
             "kind": "stream",
-            "strategy": self.sb_spec.name,
-            "spec": repr(self.sb_spec),
-            "seed": self.sb_seed,
-            "buffer_size": self.sb_streaming_buffer,
+            "strategy": self.smart_batching.spec.name,
+            "spec": repr(self.smart_batching.spec),
+            "seed": self.smart_batching.seed,
+            "buffer_size": self.smart_batching.streaming_buffer_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "num_processes": self.accelerator.num_processes,
-            "epoch": self._sb_epoch,
-            "batches_yielded": self._sb_consumed,
+            "epoch": self.smart_batching.epoch,
+            "batches_yielded": self.smart_batching.consumed,
         }
 
     def _check_stream_state(self, state: Mapping[str, Any]) -> None:
@@ -143,14 +149,14 @@ class ResumeMixin:
     def _local_batches(self, epoch: int) -> int:
         """Micro-batches this process gets in ``epoch``: all of the plan on one process; with several, its
         share of the balanced plan (the same number on every rank, whatever re-forming the balancer did)."""
-        sampler = self.sb_sampler
+        sampler = self.smart_batching.sampler
         if hasattr(sampler, "distributed_plan"):
             return sampler.distributed_plan(epoch).num_steps * sampler.accum_steps
         return len(sampler.plan_for_epoch(epoch))
 
     def _check_resume_position(self, epoch: int, skipped: int) -> None:
-        self._sb_resume_checked = True
-        state = self._sb_resume_state
+        self.smart_batching.resume_checked = True
+        state = self.smart_batching.resume_state
         if state is None:
             return
         saved_world = state.get("num_processes", 1)
@@ -176,12 +182,12 @@ class ResumeMixin:
 
         ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it.
         """
-        if self.sb_stream is not None:
+        if self.smart_batching.stream is not None:
             return self._stream_state()
-        if self.sb_sampler is None:
+        if self.smart_batching.sampler is None:
             return None
-        state = self.sb_sampler.state_dict()
-        epoch, consumed = self._sb_epoch, self._sb_consumed
+        state = self.smart_batching.sampler.state_dict()
+        epoch, consumed = self.smart_batching.epoch, self.smart_batching.consumed
         if consumed >= self._local_batches(epoch):
             epoch, consumed = epoch + 1, 0
         state.update(epoch=epoch, batches_yielded=consumed, num_processes=self.accelerator.num_processes)

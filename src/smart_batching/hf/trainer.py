@@ -26,6 +26,7 @@ from smart_batching.hf.data import (
 from smart_batching.hf.loss import TokenLossMixin, _detect_shift_labels
 from smart_batching.hf.packed_model import prepare_packed_model
 from smart_batching.hf.resume import ResumeMixin
+from smart_batching.hf.state import SmartBatchingState
 from smart_batching.loss import TokenLoss
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
@@ -37,8 +38,26 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
     """Overrides that make a ``transformers.Trainer`` (or subclass) train on planned batches.
 
     Use :class:`SmartBatchingTrainer`, :func:`with_smart_batching` or :func:`apply_smart_batching`; the
-    options are described on :meth:`setup_smart_batching`.
+    options are described on :meth:`setup_smart_batching`. Everything it decides and tracks is one
+    object, ``trainer.smart_batching`` (:class:`~smart_batching.hf.state.SmartBatchingState`).
+
+    Hooks overridden: the documented ones (``get_train_dataloader``, ``compute_loss``,
+    ``get_batch_samples``, ``train``) and two private ones with no public equivalent, ``_run_epoch``
+    (the only place that knows an epoch's number and how many batches a resume skips) and
+    ``_save_checkpoint`` (the checkpoint folder the sampler cursor is written into exists only there).
+    :data:`smart_batching.compat.TRAINER_HOOKS` lists them with the parameters relied on, and
+    ``setup_smart_batching`` refuses a transformers whose Trainer moved one.
     """
+
+    @property
+    def sb_spec(self) -> Any:
+        """The strategy's spec (``trainer.smart_batching.spec``)."""
+        return self.smart_batching.spec
+
+    @property
+    def sb_sampler(self) -> Any:
+        """The batch sampler once ``get_train_dataloader`` ran (``trainer.smart_batching.sampler``)."""
+        return self.smart_batching.sampler
 
     def __init__(
         self,
@@ -116,53 +135,49 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         compat.check_trainer_hooks()
         args = self.args
         options = dict(strategy_options or {})
+        budget = None
         if "auto" in (options.get("max_tokens"), options.get("capacity")):
-            options = self._resolve_auto_budget(strategy, options, lengths, length_column)
-        self.sb_spec = make_spec(strategy, **options)
-        self.sb_seed = int(
-            seed if seed is not None else args.data_seed if args.data_seed is not None else args.seed
+            options, budget = self._resolve_auto_budget(strategy, options, lengths, length_column)
+        previous = getattr(self, "smart_batching", None)
+        self.smart_batching = SmartBatchingState(
+            spec=make_spec(strategy, **options),
+            seed=int(
+                seed if seed is not None else args.data_seed if args.data_seed is not None else args.seed
+            ),
+            lengths=lengths,
+            length_column=length_column,
+            streaming_buffer_size=int(streaming_buffer_size),
+            target_logits_only=bool(target_logits_only),
+            auto_budget=budget,
+            guard=previous.guard if previous is not None else None,  # one guard, however often set up
         )
-        self.sb_lengths = lengths
-        self.sb_streaming_buffer = int(streaming_buffer_size)
-        self.sb_target_logits_only = bool(target_logits_only)
-        self._sb_target_logits: bool | None = None  # decided on the first training step
-        self.sb_length_column = length_column
-        self.sb_sampler: SmartBatchSampler | None = None
-        self.sb_stream: Any = None  # the StreamingBatchDataset of a streamed train_dataset
-        self.sb_even_steps: Any = None  # its lockstep wrapper on several processes
-        self._sb_resume_state: dict[str, Any] | None = None
-        self._sb_resume_checked = True
-        self._sb_epoch = 0
-        self._sb_consumed = 0
-        self._sb_stream_offset = 0  # stream pass = Trainer epoch + this, after a resume
 
         if replace_collator:
             pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
-            self.data_collator = make_collator(self.sb_spec, pad_token_id=pad)
+            self.data_collator = make_collator(self.smart_batching.spec, pad_token_id=pad)
 
-        if self.sb_spec.packs_rows:
+        if self.smart_batching.spec.packs_rows:
             from smart_batching.attention import install_packed_guard
 
             prepare_packed_model(self.model, packed_attention=packed_attention)
-            if getattr(self, "_sb_guard", None) is None:
-                self._sb_guard = install_packed_guard(self.model)
+            if self.smart_batching.guard is None:
+                self.smart_batching.guard = install_packed_guard(self.model)
 
         # Token-normalised loss for models that cannot take num_items_in_batch themselves.
-        self._sb_token_loss: TokenLoss | None = None
         if (
             not self.model_accepts_loss_kwargs
             and self.compute_loss_func is None
             and self.label_smoother is None
         ):
             shift = _detect_shift_labels(self) if shift_labels is None else shift_labels
-            self._sb_token_loss = TokenLoss(shift_labels=shift)
-            self.compute_loss_func = self._sb_token_loss
+            self.smart_batching.token_loss = TokenLoss(shift_labels=shift)
+            self.compute_loss_func = self.smart_batching.token_loss
 
         if args.train_sampling_strategy not in compat.TRAINER_DEFAULT_SAMPLING:
             logger.warning(
                 "train_sampling_strategy=%r is ignored: smart batching plans the batches (strategy %r)",
                 args.train_sampling_strategy,
-                self.sb_spec.name,
+                self.smart_batching.spec.name,
             )
         if args.dataloader_drop_last:
             logger.warning(
@@ -173,7 +188,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
 
     def _resolve_auto_budget(
         self, strategy: Any, options: dict[str, Any], lengths: Any, length_column: str | None
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], int]:
         """``max_tokens="auto"`` / ``capacity="auto"``: the largest budget whose costliest batch trains
         within memory (:func:`smart_batching.autotune.find_max_tokens`). ``memory_cap_bytes`` (required on
         CPU) caps the peak; ``tokens_per_step`` keeps the tokens of an optimizer step constant by setting
@@ -198,8 +213,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         if per_step:
             args.gradient_accumulation_steps = accumulation_steps_for(int(per_step), budget)
         logger.info("smart batching: %s=auto resolved to %d tokens", key, budget)
-        self.sb_auto_budget = budget
-        return options
+        return options, budget
 
     def make_train_sampler(self) -> SmartBatchSampler:
         """A fresh sampler over ``train_dataset`` (epoch 0, cursor 0).
@@ -208,9 +222,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         every rank computes the same balanced plan and iterates its own micro-batches,
         ``gradient_accumulation_steps`` per optimizer step, with equal token counts across ranks.
         """
-        lengths = self.sb_lengths
+        lengths = self.smart_batching.lengths
         if lengths is None:
-            lengths = dataset_lengths(self.train_dataset, length_column=self.sb_length_column)
+            lengths = dataset_lengths(self.train_dataset, length_column=self.smart_batching.length_column)
         args = self.args
         if args.world_size > 1:
             from smart_batching.distributed import World
@@ -218,10 +232,10 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
 
             sampler = DistributedSmartBatchSampler(
                 lengths,
-                self.sb_spec,
+                self.smart_batching.spec,
                 world=World(args.process_index, args.world_size),
                 accum_steps=args.gradient_accumulation_steps,
-                seed=self.sb_seed,
+                seed=self.smart_batching.seed,
             )
             if sampler.distributed_plan().num_empty_slots:
                 raise ConfigError(
@@ -230,7 +244,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                     "Lower gradient_accumulation_steps= or the number of processes."
                 )
             return sampler
-        return SmartBatchSampler(lengths, self.sb_spec, seed=self.sb_seed)
+        return SmartBatchSampler(lengths, self.smart_batching.spec, seed=self.smart_batching.seed)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -238,14 +252,14 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         if _is_iterable(self.train_dataset):
             return self._streaming_dataloader()
         sampler = self.make_train_sampler()
-        if self._sb_resume_state is not None:
-            sampler.check_state_dict(self._sb_resume_state)
-        self.sb_sampler = sampler
+        if self.smart_batching.resume_state is not None:
+            sampler.check_state_dict(self.smart_batching.resume_state)
+        self.smart_batching.sampler = sampler
         from smart_batching.collate import PaddingCollator
 
         if isinstance(self.data_collator, PaddingCollator):
             plan = sampler.plan  # the current epoch's, cached for the loader
-            if len(plan) and self.sb_spec.fixed_width(int(plan.lengths.max())) is not None:
+            if len(plan) and self.smart_batching.spec.fixed_width(int(plan.lengths.max())) is not None:
                 # One width for every row (max_length): the planned width, not the batch's longest.
                 self.data_collator.pad_to_multiple_of = int(plan.batch_width[0])
 
@@ -292,23 +306,23 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             raise ConfigError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
         dataset = StreamingBatchDataset(
             self.train_dataset,
-            self.sb_spec,
-            buffer_size=self.sb_streaming_buffer,
-            seed=self.sb_seed,
+            self.smart_batching.spec,
+            buffer_size=self.smart_batching.streaming_buffer_size,
+            seed=self.smart_batching.seed,
             rank=args.process_index,
             world_size=args.world_size,
             collate_fn=self.data_collator,
         )
-        self.sb_sampler = None
-        self.sb_stream = dataset
+        self.smart_batching.sampler = None
+        self.smart_batching.stream = dataset
         # Not passed through accelerator.prepare: the dataset shards itself, and accelerate's
         # IterableDataset wrappers would re-shard and re-batch our already collated batches. Trainer
         # moves them to the device in _prepare_inputs.
         loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
         from smart_batching.even_steps import EvenSteps
 
-        self.sb_even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
-        return DataLoader(self.sb_even_steps, batch_size=None, num_workers=0)
+        self.smart_batching.even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
+        return DataLoader(self.smart_batching.even_steps, batch_size=None, num_workers=0)
 
 
 class SmartBatchingTrainer(SmartBatchingMixin, Trainer):

@@ -1,0 +1,51 @@
+"""The one object a smart-batching Trainer keeps: ``trainer.smart_batching``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SmartBatchingState:
+    """What :meth:`~smart_batching.hf.SmartBatchingMixin.setup_smart_batching` decided and what training
+    has consumed, in one place (the Trainer itself gets no other attribute).
+
+    Attributes:
+        spec: the strategy's spec.
+        seed: planner seed.
+        lengths: token lengths given by the caller (None: read from the dataset).
+        length_column: dataset column of precomputed lengths.
+        streaming_buffer_size: examples planned at a time when ``train_dataset`` is streamed.
+        target_logits_only: the caller's setting; ``target_logits`` is what the first step decided.
+        sampler: the batch sampler of a map-style ``train_dataset`` (set by ``get_train_dataloader``).
+        stream: the ``StreamingBatchDataset`` of a streamed ``train_dataset``.
+        even_steps: its lockstep wrapper on several processes.
+        token_loss: the token-normalised loss installed for models that take no loss kwargs.
+        guard: the packed-attention guard's hook handle (strategies that pack rows).
+        auto_budget: the budget ``max_tokens="auto"`` / ``capacity="auto"`` resolved to.
+        epoch, consumed: the epoch in training and the micro-batches this process consumed of it (the
+            checkpoint's sampler cursor).
+        resume_state: the cursor read from the checkpoint resumed from; ``resume_checked`` once it
+            was compared with where Trainer resumes.
+        stream_offset: stream pass minus Trainer epoch, after a resume.
+    """
+
+    spec: Any
+    seed: int
+    lengths: Any = None
+    length_column: str | None = "length"
+    streaming_buffer_size: int = 10_000
+    target_logits_only: bool = True
+    target_logits: bool | None = None
+    sampler: Any = None
+    stream: Any = None
+    even_steps: Any = None
+    token_loss: Any = None
+    guard: Any = None
+    auto_budget: int | None = None
+    epoch: int = 0
+    consumed: int = 0
+    resume_state: dict[str, Any] | None = None
+    resume_checked: bool = True
+    stream_offset: int = 0
