@@ -76,7 +76,7 @@ WALL_MODEL = dict(
 
 
 def load_lengths(name: str) -> np.ndarray:
-    from smart_batching.lengths import compute_lengths
+    from smart_batching.data.lengths import compute_lengths
 
     path = {"gsm8k": DATA / "gsm8k" / "train.jsonl", "lima": DATA / "lima" / "lima.json"}[name]
     return compute_lengths(str(path), tokenizer="smollm2", progress=False)

@@ -195,8 +195,8 @@ def _timing(run: dict[str, Any], clock: str) -> dict[str, Any]:
 
 
 def bench_generate(args: argparse.Namespace, model: Any, tok: Any) -> list[dict[str, Any]]:
+    from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.inference import generate, tokenize_prompts
-    from smart_batching.tokenizers import load_tokenizer
 
     questions = [r["question"] for r in gsm8k("test", args.num_prompts)]
     prompts = [[{"role": "user", "content": q}] for q in questions]
@@ -277,9 +277,9 @@ def _naive_padding(ids: list[list[int]], bs: int) -> float:
 
 
 def bench_encode(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from smart_batching.data.tokenizers import alias_asset_path, load_tokenizer
     from smart_batching.inference import encode
     from smart_batching.models import load_model
-    from smart_batching.tokenizers import alias_asset_path, load_tokenizer
 
     texts = sst2_sentences(args.num_texts)
     model, tok = load_model("minilm", device=args.device), load_tokenizer("minilm")
@@ -557,9 +557,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import transformers
 
+    from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.inference import DEFAULT_MAX_TOKENS
     from smart_batching.models import load_model
-    from smart_batching.tokenizers import load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = device

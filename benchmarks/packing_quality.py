@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import smart_batching as sb
-from smart_batching.lengths import compute_lengths
+from smart_batching.data.lengths import compute_lengths
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATASETS = {

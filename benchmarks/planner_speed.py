@@ -61,7 +61,7 @@ def base_lengths(seed: int) -> tuple[np.ndarray, str]:
     """GSM8K train lengths (SmolLM2), or a lognormal stand-in when the data or tokenizer is absent."""
     if GSM8K.is_file():
         try:
-            from smart_batching.lengths import compute_lengths
+            from smart_batching.data.lengths import compute_lengths
 
             lengths = compute_lengths(GSM8K, "smollm2", progress=False)
             return lengths, f"gsm8k train ({lengths.size:,} examples, smollm2 tokenizer)"

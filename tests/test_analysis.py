@@ -215,7 +215,7 @@ def test_property_consistent_accounting(lengths, batch_size, policy):
 
 def test_plot_analysis_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from smart_batching.plotting import plot_analysis
+    from smart_batching.analysis.plots import plot_analysis
 
     lengths = np.random.default_rng(0).lognormal(4, 1, 3000).astype(np.int64) + 1
     recs = analyze(lengths, max_tokens=256, overlong="truncate")

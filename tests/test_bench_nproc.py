@@ -88,7 +88,7 @@ def test_every_strategy_sees_every_example_once_across_processes(bench_two_procs
     assert len({r["real_tokens"] for r in records}) == 1
     assert {r["dropped"]["num_examples_not_seen"] for r in records} == {0}
     # The ranks' shares put together are every example, whole, exactly once.
-    from smart_batching.tokenizers import load_tokenizer
+    from smart_batching.data.tokenizers import load_tokenizer
 
     data = prepare_bench_data(
         "default", tokenizer=load_tokenizer("smollm2"), model_kind="causal", num_examples=NUM_TRAIN,

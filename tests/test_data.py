@@ -11,14 +11,14 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 from smart_batching.data import load_dataset_any  # noqa: E402
-from smart_batching.errors import ConfigError, DataError  # noqa: E402
-from smart_batching.formats import (  # noqa: E402
+from smart_batching.data.formats import (  # noqa: E402
     FORMATS,
     detect_format,
     render_batch,
     render_texts,
     resolve_format,
 )
+from smart_batching.errors import ConfigError, DataError  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real datasets not found at {SHARED}")
@@ -302,7 +302,7 @@ def test_plain_rendering_of_history_and_messages():
 @pytest.fixture(scope="module")
 def smollm2():
     pytest.importorskip("transformers")
-    from smart_batching.tokenizers import load_tokenizer
+    from smart_batching.data.tokenizers import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -357,7 +357,7 @@ def test_conversational_prompt_completion(smollm2):
 
 def test_forcing_a_template_the_tokenizer_lacks_is_a_config_error():
     pytest.importorskip("transformers")
-    from smart_batching.tokenizers import load_tokenizer
+    from smart_batching.data.tokenizers import load_tokenizer
 
     with pytest.raises(ConfigError, match="use_chat_template=True"):
         render_batch({"question": ["q"], "answer": ["a"]}, load_tokenizer("gpt2"), use_chat_template=True)

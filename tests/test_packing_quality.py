@@ -20,7 +20,7 @@ DATASETS = {
 @pytest.mark.skipif(not DATA.exists(), reason="shared data folder absent")
 @pytest.mark.parametrize("name", list(DATASETS))
 def test_packed_rows_near_lower_bound(name: str) -> None:
-    from smart_batching.lengths import compute_lengths
+    from smart_batching.data.lengths import compute_lengths
 
     lengths = compute_lengths(str(DATA / DATASETS[name]), tokenizer="smollm2", progress=False)
     for capacity in (1024, 2048, 4096):

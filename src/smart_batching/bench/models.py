@@ -111,7 +111,7 @@ def _minilm_classifier(num_labels: int) -> Any:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from smart_batching.tokenizers import alias_asset_path
+    from smart_batching.data.tokenizers import alias_asset_path
 
     torch.manual_seed(0)  # the fresh head's weights
     level = _quiet_transformers()
@@ -146,7 +146,7 @@ def load_bench_model(
     require("transformers", "hf")
     import torch
 
-    from smart_batching.tokenizers import load_tokenizer
+    from smart_batching.data.tokenizers import load_tokenizer
 
     if isinstance(model, str):
         key = model.lower().replace("_", "-")

@@ -15,7 +15,7 @@ task                when                                  metric after training
 ``classification``  encoder; a text column and ``label``  accuracy on the held-out split
 ==================  ====================================  ===============================================
 
-Causal-LM examples are rendered by :mod:`smart_batching.formats` into a prompt and a completion;
+Causal-LM examples are rendered by :mod:`smart_batching.data.formats` into a prompt and a completion;
 ``input_ids`` is the full text plus EOS (so generations learn to stop) and ``prompt_length`` masks the
 prompt out of the loss (plain text has no prompt and trains on every token).
 """
@@ -48,7 +48,7 @@ class BenchData:
         source: where the training data came from (a path, ``"default"`` or ``"<Dataset>"``).
         eval_source: where the eval data came from (a path, or ``"held out from the training data"``).
         task: ``"gsm8k"``, ``"lm"`` or ``"classification"``.
-        format: the record shape (:mod:`smart_batching.formats`); None for classification.
+        format: the record shape (:mod:`smart_batching.data.formats`); None for classification.
         train: ``datasets.Dataset`` with ``input_ids`` and ``prompt_length`` (causal LM) or ``labels``
             (classification).
         eval: the held-out examples, tokenised the same way.
@@ -90,7 +90,7 @@ def _load(source: Any, split: str | None = None) -> tuple[Any, str]:
         return datasets.Dataset.from_dict(cols), "<records>"
     name = os.fspath(source)
     if name == "default":
-        from smart_batching.default_data import default_dataset_as_hf
+        from smart_batching.data.default_data import default_dataset_as_hf
 
         return default_dataset_as_hf(), "default (embedded dataset)"
     from smart_batching.data import load_dataset_any
@@ -139,7 +139,7 @@ def _encode(tokenizer: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
 
 
 def _tokenize_causal(ds: Any, tokenizer: Any, fmt: str, max_length: int | None) -> tuple[dict, dict]:
-    from smart_batching.formats import render_batch
+    from smart_batching.data.formats import render_batch
 
     rendered = render_batch(ds.to_dict(), tokenizer, format=fmt)
     special = not rendered.chat_template
@@ -303,7 +303,7 @@ def prepare_bench_data(
             for t, i, y in zip(p_info["texts"], p_cols["input_ids"], p_cols["labels"], strict=True)
         ]
     else:
-        from smart_batching.formats import detect_format
+        from smart_batching.data.formats import detect_format
 
         fmt = detect_format(columns)
         train_cols, train_info = _tokenize_causal(train_ds, tokenizer, fmt, max_length)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from smart_batching.formats import FORMATS
+from smart_batching.data.formats import FORMATS
 from smart_batching.planners import OVERLONG_POLICIES
 
 DEFAULT_DATA = "default"
@@ -147,12 +147,12 @@ def load_lengths(
     split: str | None = None,
     progress: bool = False,
 ) -> LoadedLengths:
-    """Lengths of ``data`` (any source :func:`~smart_batching.lengths.compute_lengths` takes, or ``default``)."""
-    from smart_batching.lengths import compute_lengths
+    """Lengths of ``data`` (any source :func:`~smart_batching.data.lengths.compute_lengths` takes, or ``default``)."""
+    from smart_batching.data.lengths import compute_lengths
 
     kwargs = {"column": column, "format": format, "split": split, "progress": progress}
     if data == DEFAULT_DATA:
-        from smart_batching.default_data import default_dataset_as_hf
+        from smart_batching.data.default_data import default_dataset_as_hf
 
         lengths = compute_lengths(default_dataset_as_hf(), tokenizer, **kwargs)
         return LoadedLengths(lengths, "default (embedded default dataset)", tokenizer)
@@ -215,7 +215,7 @@ def print_report(loaded: LoadedLengths, records: list[dict[str, Any]], args: arg
 
 
 def write_plot(loaded: LoadedLengths, records: list[dict[str, Any]], path: str | os.PathLike) -> str:
-    from smart_batching.plotting import plot_analysis
+    from smart_batching.analysis.plots import plot_analysis
 
     title = f"{loaded.dataset} ({loaded.tokenizer or 'given lengths'})"
     return os.fspath(plot_analysis(loaded.lengths, records, path, title=title))

@@ -160,8 +160,8 @@ def _check_record(record: Any, task: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.models import MODEL_ALIASES, load_model
-    from smart_batching.tokenizers import load_tokenizer
 
     task = args.task or MODEL_ALIASES.get(str(args.model).lower(), "generate")
     progress = sys.stderr.isatty() if args.progress is None else args.progress

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
     from smart_batching.bench.models import load_bench_model
     from smart_batching.bench.tasks import prepare_bench_data
+    from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.hf import SmartBatchingTrainer, make_collator
-    from smart_batching.tokenizers import load_tokenizer
 
     cpu = not torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", 1))

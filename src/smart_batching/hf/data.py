@@ -22,7 +22,7 @@ def dataset_lengths(
 ) -> np.ndarray:
     """Token length of every example, in dataset order: ``(num_examples,)`` int64.
 
-    A ``datasets.Dataset`` is read column-wise by :func:`smart_batching.lengths.lengths_from_dataset`:
+    A ``datasets.Dataset`` is read column-wise by :func:`smart_batching.data.lengths.lengths_from_dataset`:
     its ``length_column`` when it has one, else the list lengths of ``input_column`` from the Arrow
     offsets (no Python work per row; a ``select``/``shuffle`` index mapping is honoured). Any other
     map-style dataset is read row by row (slow on big data: pass ``lengths=`` instead).
@@ -35,7 +35,7 @@ def dataset_lengths(
     except ImportError:  # pragma: no cover - datasets ships with the hf extra
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.Dataset):
-        from smart_batching.lengths import lengths_from_dataset
+        from smart_batching.data.lengths import lengths_from_dataset
 
         columns = dataset.column_names
         column = length_column if length_column and length_column in columns else input_column

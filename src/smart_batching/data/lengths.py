@@ -8,7 +8,7 @@ Lengths come from the cheapest source available:
 
        offsets  [0, 3, 3, 7, 9]      ->  lengths [3, 0, 4, 2]      # (num_examples + 1,) -> (num_examples,)
 
-3. text or records: rendered (:mod:`smart_batching.formats`) and tokenised in batches by a HF fast
+3. text or records: rendered (:mod:`smart_batching.data.formats`) and tokenised in batches by a HF fast
    tokenizer (GSM8K's 7,473 examples, 1.4M SmolLM2 tokens, take 2-3 s on 2 CPU cores).
 
 Heavy dependencies (transformers, datasets, pyarrow) are imported inside the functions that use them.
@@ -171,7 +171,7 @@ def _resolve_tokenizer(tokenizer: Any, why: str) -> Any:
             f"{why}: pass tokenizer= (an alias such as 'smollm2', a tokenizer folder, or a HF tokenizer)"
         )
     if isinstance(tokenizer, (str, os.PathLike)):
-        from smart_batching.tokenizers import load_tokenizer
+        from smart_batching.data.tokenizers import load_tokenizer
 
         return load_tokenizer(os.fspath(tokenizer))
     return tokenizer
@@ -201,7 +201,7 @@ def lengths_from_texts(
 
     Args:
         texts: One string per example (None counts as "").
-        tokenizer: A HF fast tokenizer, or a name for :func:`smart_batching.tokenizers.load_tokenizer`.
+        tokenizer: A HF fast tokenizer, or a name for :func:`smart_batching.data.tokenizers.load_tokenizer`.
         batch_size: Texts per tokenizer call.
         progress: Show a tqdm progress bar.
         add_special_tokens: Count the special tokens the tokenizer adds (BOS, [CLS]/[SEP], ...).
@@ -260,7 +260,7 @@ def _record_columns(records: Any) -> list[str]:
 
 
 def _needed_columns(fmt: str, columns: list[str]) -> list[str]:
-    from smart_batching.formats import PROMPT_COMPLETION_COLUMNS, TEXT_COLUMNS
+    from smart_batching.data.formats import PROMPT_COMPLETION_COLUMNS, TEXT_COLUMNS
 
     if fmt == "messages":
         return ["messages"]
@@ -280,7 +280,7 @@ def lengths_from_records(
     use_chat_template: bool | None = None,
     batch_size: int = 1000,
 ) -> np.ndarray:
-    """Token counts of records rendered as :mod:`smart_batching.formats` describes.
+    """Token counts of records rendered as :mod:`smart_batching.data.formats` describes.
 
     Args:
         ds: A ``datasets.Dataset``, a list of dicts, or a dict of columns.
@@ -294,7 +294,7 @@ def lengths_from_records(
         ``(num_examples,)`` int64 token counts of the full text (prompt + completion). Text from a
         chat template is counted without adding special tokens again; plain text with them.
     """
-    from smart_batching.formats import render_full, resolve_format
+    from smart_batching.data.formats import render_full, resolve_format
 
     tokenizer = _resolve_tokenizer(tokenizer, "counting tokens of records")
     columns = _record_columns(ds)
@@ -345,7 +345,7 @@ def compute_lengths(
         format: Record shape for rendering (``"auto"`` or one of ``formats.FORMATS``).
         split: Split of a folder, ``DatasetDict`` or hub dataset; None means ``"train"``.
         progress: Show a progress bar while tokenising.
-        use_chat_template: See :mod:`smart_batching.formats` (None: per-shape default).
+        use_chat_template: See :mod:`smart_batching.data.formats` (None: per-shape default).
 
     Returns:
         ``(num_examples,)`` int64 token counts. Empty in-memory inputs give an empty array; empty
@@ -429,7 +429,7 @@ def _dataset_lengths(
     if _auto_length_column(ds) is not None:
         return lengths_from_dataset(ds)
     if tokenizer is None:
-        from smart_batching.formats import resolve_format
+        from smart_batching.data.formats import resolve_format
 
         fmt = resolve_format(format, ds.column_names)  # raises DataError for unknown shapes
         raise ConfigError(

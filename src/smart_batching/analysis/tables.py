@@ -3,7 +3,7 @@
 :func:`analyze` plans one epoch per strategy on the same token lengths with shared settings and
 returns one record (a plain dict, JSON-ready) per strategy; :func:`format_table` renders records as
 a text table. Measuring and rendering are separate: the CLI prints the table or the JSON records,
-:mod:`smart_batching.plotting` draws them.
+:mod:`smart_batching.analysis.plots` draws them.
 
 Shared settings, so the rows compare like with like:
 
