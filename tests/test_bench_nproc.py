@@ -24,11 +24,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("matplotlib")
 
+from smart_batching.bench.measure import examples_digest  # noqa: E402
 from smart_batching.bench.multiprocess import merge_measurements  # noqa: E402
 from smart_batching.bench.records import RECORD_FIELDS, read_records  # noqa: E402
 from smart_batching.bench.runner import run_bench  # noqa: E402
-from smart_batching.bench.tasks import examples_digest, prepare_bench_data  # noqa: E402
 from smart_batching.cli import main  # noqa: E402
+from smart_batching.data.tasks import prepare_training_data  # noqa: E402
 from smart_batching.errors import ConfigError  # noqa: E402
 
 NUM_TRAIN = 16
@@ -90,7 +91,7 @@ def test_every_strategy_sees_every_example_once_across_processes(bench_two_procs
     # The ranks' shares put together are every example, whole, exactly once.
     from smart_batching.data.tokenizers import load_tokenizer
 
-    data = prepare_bench_data(
+    data = prepare_training_data(
         "default", tokenizer=load_tokenizer("smollm2"), model_kind="causal", num_examples=NUM_TRAIN,
         eval_examples=4, max_length=MAX_LENGTH, num_prompts=1,
     )  # fmt: skip

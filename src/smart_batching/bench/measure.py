@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -168,6 +169,21 @@ class ProgressBar(TrainerCallback):
             self.bar = None
 
 
+def length_histogram(lengths: np.ndarray, bins: int = 40) -> dict[str, list[float]]:
+    """A compact histogram of token lengths for the records: ``{"edges": [...], "counts": [...]}``."""
+    if lengths.size == 0:
+        return {"edges": [0.0, 1.0], "counts": [0]}
+    counts, edges = np.histogram(lengths, bins=min(bins, max(1, int(lengths.max()) - int(lengths.min()) + 1)))
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+
+
+def examples_digest(example_ids: np.ndarray, seg_lengths: np.ndarray) -> str:
+    """Digest of the multiset of ``(example, tokens)`` a run trained on: equal digests, equal data."""
+    order = np.lexsort((seg_lengths, example_ids))
+    pairs = np.stack([example_ids[order], seg_lengths[order]]).astype(np.int64)
+    return hashlib.blake2b(np.ascontiguousarray(pairs).tobytes(), digest_size=8).hexdigest()
+
+
 __all__ = [
     "ClassificationCollator",
     "CountingCollator",
@@ -175,5 +191,7 @@ __all__ = [
     "ProgressBar",
     "StepTimer",
     "classification_loss",
+    "examples_digest",
+    "length_histogram",
     "percentiles",
 ]

@@ -2,9 +2,9 @@
 
 Only the batching differs between runs:
 
-* **Same start.** Every run loads the same initial ``state_dict`` (taken once, :class:`~.models.BenchModel`).
+* **Same start.** Every run loads the same initial ``state_dict`` (taken once, :class:`~.models.TrainingModel`).
 * **Same data, same number of times.** The examples are tokenised and truncated once
-  (:func:`~.tasks.prepare_bench_data`); every run trains ``epochs`` full epochs over all of them, so
+  (:func:`~.tasks.prepare_training_data`); every run trains ``epochs`` full epochs over all of them, so
   every strategy sees every example exactly ``epochs`` times. ``max_steps=N`` is read as
   ``num_examples = N * batch_size`` (N steps for the fixed-size baselines); a step count would give
   ``token_budget`` and ``packed``, whose batches vary, different data. A digest of the
@@ -52,8 +52,8 @@ import numpy as np
 
 from smart_batching.bench.machine import machine_info, usable_cores, versions
 from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_record, read_records
-from smart_batching.bench.tasks import prepare_bench_data
 from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
+from smart_batching.data.tasks import prepare_training_data
 from smart_batching.errors import ConfigError
 from smart_batching.planners import STRATEGIES
 
@@ -230,7 +230,7 @@ def _run_bench(
     callbacks: Sequence[Any],
     on_record: Callable[[dict[str, Any]], None] | None,
 ) -> list[dict[str, Any]]:
-    from smart_batching.bench.models import DEFAULT_TOKENIZERS, load_bench_model
+    from smart_batching.zoo import DEFAULT_TOKENIZERS, load_training_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,9 +240,9 @@ def _run_bench(
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     say(f"loading model {model if isinstance(model, str) else type(model).__name__} ...")
-    bm = load_bench_model(model, tokenizer=tokenizer, model_options=model_options)
+    bm = load_training_model(model, tokenizer=tokenizer, model_options=model_options)
     say(f"preparing data {data if isinstance(data, (str, os.PathLike)) else type(data).__name__} ...")
-    bench_data = prepare_bench_data(
+    bench_data = prepare_training_data(
         data,
         tokenizer=bm.tokenizer,
         model_kind=bm.kind,

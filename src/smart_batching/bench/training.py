@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from smart_batching.bench.machine import PeakMemory, release_memory
+from smart_batching.bench.measure import examples_digest, length_histogram
 from smart_batching.bench.records import SCHEMA_VERSION
-from smart_batching.bench.tasks import BenchData, examples_digest, length_histogram
+from smart_batching.data.tasks import TrainingData
 from smart_batching.planners import Knobs, make_spec, parse_strategy, spec_class
 
 
@@ -30,8 +31,8 @@ class BenchContext:
     """Everything a run needs that is the same for all runs of a bench."""
 
     bench_id: str
-    model: Any  # BenchModel
-    data: BenchData
+    model: Any  # TrainingModel
+    data: TrainingData
     settings: dict[str, Any]
     device: Any
     machine: dict[str, Any]
@@ -61,7 +62,7 @@ def evaluate_model(
     bench: BenchContext, model: Any
 ) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
     from smart_batching.bench.evaluate import eval_causal_lm, eval_classifier, generate_texts, inference_mode
-    from smart_batching.bench.tasks import gsm8k_answer, gsm8k_exact_match
+    from smart_batching.data.tasks import gsm8k_answer, gsm8k_exact_match
 
     bm, data, s = bench.model, bench.data, bench.settings
     inference_mode(model, bm.info.get("attn_implementation"))
@@ -139,7 +140,7 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
     import torch
     from transformers import TrainingArguments
 
-    from smart_batching.bench.models import BENCH_MODELS
+    from smart_batching.zoo import BENCH_MODELS
 
     s = bench.settings
     cuda = torch.device(bench.device).type == "cuda"
@@ -431,7 +432,7 @@ def _finish_record(
     return record
 
 
-def _data_summary(data: BenchData) -> dict[str, Any]:
+def _data_summary(data: TrainingData) -> dict[str, Any]:
     from smart_batching.analysis import length_summary
 
     return {

@@ -96,21 +96,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TrainerCallback, TrainingArguments
 
-    from smart_batching.bench.models import load_bench_model
-    from smart_batching.bench.tasks import prepare_bench_data
+    from smart_batching.data.tasks import prepare_training_data
     from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.hf import SmartBatchingTrainer, make_collator
+    from smart_batching.zoo import load_training_model
 
     cpu = not torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if cpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     tokenizer = load_tokenizer(args.tokenizer)
-    bench_model = load_bench_model(args.model, tokenizer=tokenizer)
-    data = prepare_bench_data(
+    training_model = load_training_model(args.model, tokenizer=tokenizer)
+    data = prepare_training_data(
         args.data,
-        tokenizer=bench_model.tokenizer,
-        model_kind=bench_model.kind,
+        tokenizer=training_model.tokenizer,
+        model_kind=training_model.kind,
         num_examples=args.num_examples,
         eval_examples=8,
         max_length=args.max_length,
@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
         capacity=max(args.capacity, args.max_length), longest=args.max_length,
     )  # fmt: skip
     options = spec_class(args.strategy).options_from(knobs)
-    pad_id = bench_model.tokenizer.pad_token_id
-    pad_id = pad_id if pad_id is not None else bench_model.tokenizer.eos_token_id or 0
+    pad_id = training_model.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else training_model.tokenizer.eos_token_id or 0
     counter = TokenCounter(make_collator(args.strategy, pad_token_id=pad_id))
     training_args = TrainingArguments(
         output_dir=args.out,
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             mean = float(tokens.mean())
             imbalance.append(float(tokens.max()) / mean if mean else 1.0)
 
-    model = bench_model.fresh()
+    model = training_model.fresh()
     trainer = SmartBatchingTrainer(
         model=model,
         args=training_args,
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     summary = {
         "strategy": args.strategy,
-        "model": bench_model.name,
+        "model": training_model.name,
         "world_size": world_size,
         "steps": result.global_step,
         "train_loss": result.training_loss,

@@ -1,4 +1,5 @@
-"""Bench models by name, and one set of initial weights shared by every run.
+"""Models to fine-tune, by name (``smart-batching train``, the bench), and one set of initial weights
+shared by every run.
 
 =============  ===========================================================================================
 name           model
@@ -13,8 +14,8 @@ name           model
 
 A ``transformers`` model object is accepted too (its current weights are the initial ones).
 
-:class:`BenchModel` keeps the untouched model and a copy of its ``state_dict`` taken once; every
-run gets :meth:`BenchModel.fresh`: a copy that has just loaded that state, so all strategies and
+:class:`TrainingModel` keeps the untouched model and a copy of its ``state_dict`` taken once; every
+run gets :meth:`TrainingModel.fresh`: a copy that has just loaded that state, so all strategies and
 seeds start from identical weights.
 """
 
@@ -47,7 +48,7 @@ TINY_LLAMA = {
 
 
 @dataclass
-class BenchModel:
+class TrainingModel:
     """A model and the initial weights every run starts from.
 
     Attributes:
@@ -124,13 +125,13 @@ def _minilm_classifier(num_labels: int) -> Any:
     return model
 
 
-def load_bench_model(
+def load_training_model(
     model: Any = "tiny-llama",
     *,
     tokenizer: Any = None,
     num_labels: int = 2,
     model_options: dict[str, Any] | None = None,
-) -> BenchModel:
+) -> TrainingModel:
     """Build a bench model and take its initial state.
 
     Args:
@@ -193,7 +194,9 @@ def load_bench_model(
         "attn_implementation": getattr(config, "_attn_implementation", None),
         "tokenizer": getattr(tok, "name_or_path", None) or type(tok).__name__,
     }
-    return BenchModel(name=name, kind=kind, tokenizer=tok, base=base, initial_state=initial_state, info=info)
+    return TrainingModel(
+        name=name, kind=kind, tokenizer=tok, base=base, initial_state=initial_state, info=info
+    )
 
 
-__all__ = ["BENCH_MODELS", "TINY_LLAMA", "BenchModel", "load_bench_model"]
+__all__ = ["BENCH_MODELS", "TINY_LLAMA", "TrainingModel", "load_training_model"]

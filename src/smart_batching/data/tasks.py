@@ -1,8 +1,8 @@
-"""Bench data: load, split, tokenise once for every strategy, and score the task.
+"""Training data: load, split, tokenise once for every strategy, and the task it is scored on.
 
-Every strategy of a bench trains on the *same* tokenised examples: the data is tokenised here, once,
+Used by ``smart-batching train`` and the bench. Every strategy of a bench trains on the *same* tokenised examples: the data is tokenised here, once,
 and truncated here, once (``max_length``), so no planner has anything left to cut. What was cut is
-counted in :attr:`BenchData.truncation` and reported next to every strategy.
+counted in :attr:`TrainingData.truncation` and reported next to every strategy.
 
 Tasks, told apart by the model kind and the columns:
 
@@ -22,7 +22,6 @@ prompt out of the loss (plain text has no prompt and trains on every token).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ _ANSWER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 
 
 @dataclass
-class BenchData:
+class TrainingData:
     """Tokenised train and eval examples, and what a report needs to know about them.
 
     Attributes:
@@ -236,7 +235,7 @@ def gsm8k_exact_match(generation: str, reference: str) -> bool:
     return predicted is not None and predicted == gsm8k_answer(reference)
 
 
-def prepare_bench_data(
+def prepare_training_data(
     data: Any = "default",
     *,
     tokenizer: Any,
@@ -246,7 +245,7 @@ def prepare_bench_data(
     eval_examples: int = 64,
     max_length: int | None = None,
     num_prompts: int | None = None,
-) -> BenchData:
+) -> TrainingData:
     """Load, split and tokenise a bench's data.
 
     Args:
@@ -342,7 +341,7 @@ def prepare_bench_data(
         "truncated_tokens": train_info["truncated_tokens"],
         "eval_num_truncated": eval_info["num_truncated"],
     }
-    return BenchData(
+    return TrainingData(
         source=source,
         eval_source=str(eval_source),
         task=task,
@@ -356,27 +355,10 @@ def prepare_bench_data(
     )
 
 
-def length_histogram(lengths: np.ndarray, bins: int = 40) -> dict[str, list[float]]:
-    """A compact histogram of token lengths for the records: ``{"edges": [...], "counts": [...]}``."""
-    if lengths.size == 0:
-        return {"edges": [0.0, 1.0], "counts": [0]}
-    counts, edges = np.histogram(lengths, bins=min(bins, max(1, int(lengths.max()) - int(lengths.min()) + 1)))
-    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
-
-
-def examples_digest(example_ids: np.ndarray, seg_lengths: np.ndarray) -> str:
-    """Digest of the multiset of ``(example, tokens)`` a run trained on: equal digests, equal data."""
-    order = np.lexsort((seg_lengths, example_ids))
-    pairs = np.stack([example_ids[order], seg_lengths[order]]).astype(np.int64)
-    return hashlib.blake2b(np.ascontiguousarray(pairs).tobytes(), digest_size=8).hexdigest()
-
-
 __all__ = [
-    "BenchData",
+    "TrainingData",
     "detect_task",
-    "examples_digest",
     "gsm8k_answer",
     "gsm8k_exact_match",
-    "length_histogram",
-    "prepare_bench_data",
+    "prepare_training_data",
 ]
