@@ -6,7 +6,7 @@ Launch with torchrun (or ``accelerate launch``)::
 
 The train set is a ``datasets.IterableDataset`` (no length, nothing planned up front). Each rank takes
 its share of the stream (``split_dataset_by_node``) and plans it online over a bounded buffer; the
-ranks step in lockstep (:class:`smart_batching.even_steps.EvenSteps`): when one rank's share ends
+ranks step in lockstep (:class:`smart_batching.distributed.even_steps.EvenSteps`): when one rank's share ends
 first it trains null batches (every label -100: no loss, no gradient) until the others finish, so
 every example is used exactly once per epoch and no all-reduce waits forever. ``max_steps`` is
 required by the Trainer for a stream; ``--epochs`` stops after that many passes.
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = trainer.train()
     rank = training_args.process_index
-    even = trainer.smart_batching.even_steps
+    even = trainer.smart_batching.distributed.even_steps
     record = {
         "rank": rank,
         "world_size": training_args.world_size,

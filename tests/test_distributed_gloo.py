@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from smart_batching.distributed import World, shutdown
-from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+from smart_batching.distributed.sampler import DistributedSmartBatchSampler
 from smart_batching.errors import ConfigError
 
 LENGTHS = np.random.default_rng(11).integers(4, 60, 203)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from smart_batching.distributed.even_steps import EvenSteps, null_batch
 from smart_batching.errors import ConfigError
-from smart_batching.even_steps import EvenSteps, null_batch
 
 
 def _batch(tag: int, rows: int = 2, width: int = 3) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on 2 real processes (gloo, CPU) with balanced batches.
 
 Each rank trains a tiny Llama sharded with ``fully_shard`` on its share of a
-:class:`~smart_batching.distributed_sampler.DistributedSmartBatchSampler` plan (2 accumulation
+:class:`~smart_batching.distributed.sampler.DistributedSmartBatchSampler` plan (2 accumulation
 micro-batches per step, gradient sync on the last one only), with the loss normalised by the target
 tokens of the whole step across ranks. After a few SGD steps the gathered parameters equal those of one
 process that trains on the same examples with the same global-token normalisation.
@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.distributed import World, shutdown
-from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+from smart_batching.distributed.sampler import DistributedSmartBatchSampler
 from smart_batching.loss import count_target_tokens, token_loss_sum
 
 LENGTHS = np.random.default_rng(21).integers(4, 60, 150)

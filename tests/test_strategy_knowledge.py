@@ -150,7 +150,7 @@ def _once(batches) -> list[int]:
 
 def test_toy_strategy_in_the_sampler_and_the_distributed_sampler(toy):
     from smart_batching.distributed import World
-    from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+    from smart_batching.distributed.sampler import DistributedSmartBatchSampler
     from smart_batching.sampler import SmartBatchSampler
 
     batches = list(SmartBatchSampler(LENGTHS, toy, batch_size=4, seed=0))

@@ -20,6 +20,11 @@ MOVED = {
     "smart_batching.lengths": "smart_batching.data.lengths",
     "smart_batching.default_data": "smart_batching.data.default_data",
     "smart_batching.plotting": "smart_batching.analysis.plots",
+    "smart_batching.distributed_sampler": "smart_batching.distributed.sampler",
+    "smart_batching.even_steps": "smart_batching.distributed.even_steps",
+    "smart_batching._step_balance": "smart_batching.distributed._balance",
+    "smart_batching._step_reform": "smart_batching.distributed._reform",
+    "smart_batching._launch": "smart_batching.distributed.launch",
 }
 """Old module path -> where it lives now."""
 

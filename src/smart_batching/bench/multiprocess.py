@@ -157,7 +157,7 @@ class RankLauncher:
         does, the model holding rank 0's trained weights, on the bench's device."""
         import torch
 
-        from smart_batching._launch import run_torchrun, torchrun_env
+        from smart_batching.distributed.launch import run_torchrun, torchrun_env
 
         args = [str(self.job), "--strategy", strategy, "--seed", str(seed), "--run-index", str(run_index)]
         args += ["--label", label, *(["--progress"] if self.progress else [])]

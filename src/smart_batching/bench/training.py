@@ -262,7 +262,7 @@ def train_run(
         StepTimer,
         classification_loss,
     )
-    from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+    from smart_batching.distributed.sampler import DistributedSmartBatchSampler
     from smart_batching.fallbacks import recorded_fallbacks, reset_fallbacks
     from smart_batching.hf import SmartBatchingTrainer, make_collator
 

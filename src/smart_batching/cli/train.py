@@ -85,7 +85,7 @@ def _relaunch(args: argparse.Namespace) -> int:
         cleaned = (
             ["train", *cleaned[cleaned.index("train") + 1 :]] if "train" in cleaned else ["train", *cleaned]
         )
-    from smart_batching._launch import run_torchrun
+    from smart_batching.distributed.launch import run_torchrun
 
     return run_torchrun(args.nproc, "smart_batching", cleaned)
 

@@ -218,7 +218,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
     def make_train_sampler(self) -> SmartBatchSampler:
         """A fresh sampler over ``train_dataset`` (epoch 0, cursor 0).
 
-        With several processes it is a :class:`~smart_batching.distributed_sampler.DistributedSmartBatchSampler`:
+        With several processes it is a :class:`~smart_batching.distributed.sampler.DistributedSmartBatchSampler`:
         every rank computes the same balanced plan and iterates its own micro-batches,
         ``gradient_accumulation_steps`` per optimizer step, with equal token counts across ranks.
         """
@@ -228,7 +228,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         args = self.args
         if args.world_size > 1:
             from smart_batching.distributed import World
-            from smart_batching.distributed_sampler import DistributedSmartBatchSampler
+            from smart_batching.distributed.sampler import DistributedSmartBatchSampler
 
             sampler = DistributedSmartBatchSampler(
                 lengths,
@@ -293,7 +293,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         examples at a time (default 10,000). Needs ``max_steps`` (the stream has no length).
 
         On several processes each rank plans its own shard of the stream (``split_dataset_by_node`` for an
-        HF stream, every ``world_size``-th example otherwise), and :class:`~smart_batching.even_steps.EvenSteps`
+        HF stream, every ``world_size``-th example otherwise), and :class:`~smart_batching.distributed.even_steps.EvenSteps`
         keeps the ranks in lockstep: a rank whose shard ends first trains null batches (every label -100,
         no loss, no gradient) until the last rank's shard ends, so every example is used once and no
         collective waits forever. The last optimizer step of a pass is filled up with null batches to
@@ -319,10 +319,12 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         # IterableDataset wrappers would re-shard and re-batch our already collated batches. Trainer
         # moves them to the device in _prepare_inputs.
         loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
-        from smart_batching.even_steps import EvenSteps
+        from smart_batching.distributed.even_steps import EvenSteps
 
-        self.smart_batching.even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
-        return DataLoader(self.smart_batching.even_steps, batch_size=None, num_workers=0)
+        self.smart_batching.distributed.even_steps = EvenSteps(
+            loader, multiple=args.gradient_accumulation_steps
+        )
+        return DataLoader(self.smart_batching.distributed.even_steps, batch_size=None, num_workers=0)
 
 
 class SmartBatchingTrainer(SmartBatchingMixin, Trainer):

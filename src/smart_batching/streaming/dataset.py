@@ -85,7 +85,7 @@ class StreamingBatchDataset(IterableDataset):
       would be dealt twice and most of them lost.
 
     Ranks may get different numbers of batches (their shards differ): wrap each rank's loader in
-    :class:`~smart_batching.even_steps.EvenSteps` to step in lockstep (the Trainer integration does).
+    :class:`~smart_batching.distributed.even_steps.EvenSteps` to step in lockstep (the Trainer integration does).
 
     Args:
         source, spec_or_name, buffer_size, buffer_tokens, seed, length_fn, min_row_fill, reserve, progress,

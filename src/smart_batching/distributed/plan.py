@@ -19,7 +19,7 @@ all-reduce, so the micro-batches of one step are chosen together:
 5. Steps still more than 1 % uneven (a long example that fills a token budget alone, a tail of a few
    similar examples) are dissolved together with their neighbours in cost order and the finest steps,
    and formed again so that every rank of a step reaches the same cost
-   (:func:`~smart_batching._step_reform.reform_uneven`): still every example once, no empty
+   (:func:`~smart_batching.distributed._reform.reform_uneven`): still every example once, no empty
    micro-batch, the same step count on every rank: as many steps as before, or (``max_extra_steps``) a
    few more where long examples that fill a token budget alone leave their steps light (LIMA, token
    budget 8192: 49 steps become 52 on 2 ranks).
@@ -47,7 +47,7 @@ from functools import cached_property
 
 import numpy as np
 
-from smart_batching._step_balance import (
+from smart_batching.distributed._balance import (
     BALANCE_TOLERANCE,
     UnitLimits,
     balance_step,
@@ -55,7 +55,7 @@ from smart_batching._step_balance import (
     lpt_pieces,
     repartition_step,
 )
-from smart_batching._step_reform import REFORM_TOLERANCE, Reformer, reform_uneven
+from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
 

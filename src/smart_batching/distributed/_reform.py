@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from smart_batching._step_balance import BALANCE_TOLERANCE, UnitLimits, balance_step
+from smart_batching.distributed._balance import BALANCE_TOLERANCE, UnitLimits, balance_step
 
 REFORM_TOLERANCE = 1.01  # steps more uneven than this are dissolved with their neighbours and formed again
 FILL_TOLERANCE = 1.002  # a rank filled towards its step's target stops this close to it
