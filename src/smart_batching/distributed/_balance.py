@@ -1,10 +1,10 @@
-"""Evening out one optimizer step across ranks, within a strategy's limits (used by :mod:`.distributed`).
+"""Evening out one optimizer step across ranks, within a strategy's limits (used by :func:`~smart_batching.distributed.distribute`).
 
 - :func:`repartition_step` deals a step's segments again, costliest first to the least-loaded rank;
   :func:`balance_step` moves or swaps single segments between its heaviest and lightest rank.
 - :class:`~smart_batching.planners.UnitLimits`: what a micro-batch may hold after balancing, as the
   strategy's spec says (``spec.unit_limits()``).
-- Steps these leave uneven are formed again by :mod:`._step_reform`.
+- Steps these leave uneven are formed again by :mod:`._reform`.
 
 Every segment stays in exactly one micro-batch and no micro-batch is left empty. Pure NumPy and
 Python over one step's segments; the loops run only for the uneven steps.
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from smart_batching.distributed._tuning import BALANCE_TOLERANCE  # noqa: F401 (re-exported)
 from smart_batching.planners import UnitLimits
-
-BALANCE_TOLERANCE = 1.005  # steps more uneven than this get segments moved between ranks
 
 
 def halve_units(units: list[list[int]], seg_cost: np.ndarray, group: int) -> list[list[int]] | None:

@@ -1,4 +1,4 @@
-"""Forming uneven steps again (used by :mod:`.distributed` after :mod:`._step_balance`).
+"""Forming uneven steps again (used by :func:`~smart_batching.distributed.distribute` after :mod:`._balance`).
 
 - :class:`Reformer` forms new steps from a pool of segments: the first rank of a step takes the
   costliest segments left, batched as the strategy would, and sets the step's target; every other rank
@@ -20,18 +20,20 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from smart_batching.distributed._balance import BALANCE_TOLERANCE, UnitLimits, balance_step
-
-REFORM_TOLERANCE = 1.01  # steps more uneven than this are dissolved with their neighbours and formed again
-FILL_TOLERANCE = 1.002  # a rank filled towards its step's target stops this close to it
-PROBE_LADDER = (1.0, 0.97, 0.94, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)  # costs tried, × best fit
-PROBE_WIDTH = 4  # segments tried at each rung
-TAIL_STEPS = 3  # formed steps dealt again with the last segments of a pool
-HALVE_CANDIDATES = 8  # finest steps tried when one must be dealt again as two
-FILL_RETRIES = 4  # first picks tried for a rank that greedy best fit leaves short of its target
-MAX_REFORM_SEGMENTS = 100_000  # the most segments dissolved per attempt series to even out uneven steps
-GIVE_UP_LEVELS = 3  # pool sizes tried in a row without a more even result before giving up ...
-GIVE_UP_SEGMENTS = 20_000  # ... once this many segments have been dissolved
+from smart_batching.distributed._balance import UnitLimits, balance_step
+from smart_batching.distributed._tuning import (
+    BALANCE_TOLERANCE,
+    FILL_RETRIES,
+    FILL_TOLERANCE,
+    GIVE_UP_LEVELS,
+    GIVE_UP_SEGMENTS,
+    HALVE_CANDIDATES,
+    MAX_REFORM_SEGMENTS,
+    PROBE_LADDER,
+    PROBE_WIDTH,
+    REFORM_TOLERANCE,
+    TAIL_STEPS,
+)
 
 
 class _Pool:

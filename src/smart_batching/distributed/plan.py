@@ -223,6 +223,12 @@ def distribute(
 
     Returns:
         The distributed plan; each rank reads its units with :meth:`DistributedPlan.rank_units`.
+
+    Phases (each a function below, with a drawn example): :func:`_cost_units` (every micro-batch of
+    the plan a unit, with its cost), :func:`_deal_tail` (units by cost in whole steps of
+    ``G = world_size × accum_steps``; the ragged tail dealt again), :func:`_snake_deal` (each step's
+    slots to ranks), :func:`_balance_uneven` and :func:`_reform_uneven` (steps still uneven, see
+    :mod:`._tuning` for the thresholds), :func:`_shuffle_steps`.
     """
     if world_size < 1 or accum_steps < 1:
         raise ConfigError(f"world_size= and accum_steps= must be ≥ 1, got {world_size} and {accum_steps}")
@@ -231,115 +237,198 @@ def distribute(
     group = world_size * accum_steps
     seg_cost = _segment_costs(plan, cost)
     limits = UnitLimits.of(plan)
-    order = np.arange(plan.num_segments, dtype=np.int64)
+    units = _cost_units(plan, seg_cost)
+    by_cost = _deal_tail(units, group, seg_cost, plan.seg_lengths, limits)
+    assignment = _snake_deal(by_cost, world_size, accum_steps)
+    if world_size > 1 and units.start.shape[0] and balance_rounds:
+        _balance_uneven(assignment, units, seg_cost, plan.seg_lengths, limits, balance_rounds)
+        reformer = Reformer(seg_cost, plan.seg_lengths, limits, world_size, accum_steps, cost, balance_rounds)
+        assignment = _reform_uneven(assignment, units, seg_cost, reformer, max_extra_steps)
+    assignment = _shuffle_steps(assignment, seed, plan.epoch)
+    return DistributedPlan(
+        plan, world_size, accum_steps, cost, units.order, units.start, units.end, assignment, units.costs
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The phases of distribute(), in order
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Units:
+    """Micro-batches as ranges of one flat segment order; phases that re-form units append their new
+    segment arrays to ``pending`` (one concatenation per phase, not per unit) and point the units there."""
+
+    order: np.ndarray  # positions into the base plan's segments; unit u is order[start[u]:end[u]]
+    start: np.ndarray  # (num_units,)
+    end: np.ndarray  # (num_units,)
+    costs: np.ndarray  # (num_units,)
+
+    def segments(self, u: int) -> np.ndarray:
+        return self.order[self.start[u] : self.end[u]]
+
+    def add(self, loads: list[np.ndarray], seg_cost: np.ndarray) -> np.ndarray:
+        """Append new units holding ``loads`` (segment arrays); returns their ids."""
+        sizes = np.array([len(x) for x in loads], dtype=np.int64)
+        starts = self.order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        first = self.start.shape[0]
+        self.start = np.concatenate([self.start, starts])
+        self.end = np.concatenate([self.end, starts + sizes])
+        self.costs = np.concatenate([self.costs, [int(seg_cost[x].sum()) if len(x) else 0 for x in loads]])
+        self.order = np.concatenate([self.order, *[np.asarray(x, dtype=np.int64) for x in loads]])
+        return np.arange(first, first + len(loads))
+
+
+def _cost_units(plan: BatchPlan, seg_cost: np.ndarray) -> _Units:
+    """Phase 1: every micro-batch of the base plan is a unit, costed as the sum of its segments::
+
+    batches   [a b] [c] [d e f]     ->  units 0, 1, 2 over order = [a b c d e f]
+    costs      5+3   9   2+2+1          costs = [8, 9, 5]
+    """
     offsets = plan.row_offsets[plan.batch_offsets].astype(np.int64)
-    unit_start, unit_end = offsets[:-1].copy(), offsets[1:].copy()
+    order = np.arange(plan.num_segments, dtype=np.int64)
     costs = np.add.reduceat(seg_cost, offsets[:-1]) if len(offsets) > 1 else np.zeros(0, np.int64)
-    by_cost = np.argsort(-costs, kind="stable")  # (num_units,) costliest first
-    # The ragged tail: the m = B mod G cheapest units and the step before them are pooled and dealt
-    # again, costliest segment first, into whole steps of G micro-batches: nothing dropped, no work added.
+    return _Units(order, offsets[:-1].copy(), offsets[1:].copy(), costs)
+
+
+def _deal_tail(
+    units: _Units, group: int, seg_cost: np.ndarray, seg_len: np.ndarray, limits: UnitLimits
+) -> np.ndarray:
+    """Phase 2: units by cost, costliest first, in whole steps of ``G`` slots. The ragged tail (the
+    ``B mod G`` cheapest units and the step before them, more while they hold too few segments) is
+    pooled and dealt again, costliest segment first, into a multiple of ``G`` new units: nothing
+    dropped, no work added. Returns the unit ids in slot order (-1: an empty slot)::
+
+        G = 4, units by cost   u7 u2 u5 u0 | u3 u1 u6 u4 | u8 u9         (B = 10, tail m = 2)
+        pooled and re-dealt                 [u3 u1 u6 u4 u8 u9] -> n0..n7 (8 pieces, 2 whole steps)
+        slot order             u7 u2 u5 u0 | n0 n1 n2 n3 | n4 n5 n6 n7
+    """
+    by_cost = np.argsort(-units.costs, kind="stable")  # (num_units,) costliest first
     num_base = by_cost.shape[0]
     m = num_base % group
-    pieces: list[np.ndarray] = [order]
-    if m:
-        take = m + group
-        sizes_all = unit_end - unit_start
-        # Grow the pool by whole steps until it holds more segments than slots (single huge examples).
-        while take < num_base and sizes_all[by_cost[num_base - take :]].sum() <= -(-take // group) * group:
-            take += group
-        tail = by_cost[max(0, num_base - take) :]
-        pool = np.concatenate([order[unit_start[u] : unit_end[u]] for u in tail.tolist()])
-        # As many pieces (a multiple of G) as keep the costliest segment from dominating a piece.
-        biggest = int(seg_cost[pool].max(initial=1)) or 1
-        fit = min(pool.shape[0], int(seg_cost[pool].sum()) // biggest)
-        num_pieces = max(group, (fit // group) * group)
-        num_pieces = min(num_pieces, -(-tail.shape[0] // group) * group)
-        dealt = lpt_pieces(pool, seg_cost, plan.seg_lengths, num_pieces, limits)
-        if dealt is None or min(len(p) for p in dealt) == 0:
-            # Indivisible or over-limit: cut the costliest splittable units of the pool in two instead.
-            dealt = halve_units(
-                [list(order[unit_start[u] : unit_end[u]]) for u in tail.tolist()], seg_cost, group
-            )
-        if dealt is not None:
-            keep = by_cost[: num_base - tail.shape[0]]
-            sizes = np.array([len(p) for p in dealt], dtype=np.int64)
-            new_ids = np.arange(unit_start.shape[0], unit_start.shape[0] + len(dealt))
-            starts = order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            unit_start = np.concatenate([unit_start, starts])
-            unit_end = np.concatenate([unit_end, starts + sizes])
-            pieces += [np.asarray(p, dtype=np.int64) for p in dealt]
-            costs = np.concatenate([costs, [int(seg_cost[p].sum()) if p else 0 for p in dealt]])
-            rank = np.argsort(-costs[new_ids], kind="stable")
-            # An empty piece (fewer segments than slots) is an empty slot: -1.
-            by_cost = np.concatenate([keep, np.where(sizes[rank] > 0, new_ids[rank], -1)])
-            order = np.concatenate(pieces)
-            pieces = [order]
+    if not m:
+        return by_cost
+    take = m + group
+    sizes_all = units.end - units.start
+    # Grow the pool by whole steps until it holds more segments than slots (single huge examples).
+    while take < num_base and sizes_all[by_cost[num_base - take :]].sum() <= -(-take // group) * group:
+        take += group
+    tail = by_cost[max(0, num_base - take) :]
+    pool = np.concatenate([units.segments(u) for u in tail.tolist()])
+    # As many pieces (a multiple of G) as keep the costliest segment from dominating a piece.
+    biggest = int(seg_cost[pool].max(initial=1)) or 1
+    fit = min(pool.shape[0], int(seg_cost[pool].sum()) // biggest)
+    num_pieces = max(group, (fit // group) * group)
+    num_pieces = min(num_pieces, -(-tail.shape[0] // group) * group)
+    dealt = lpt_pieces(pool, seg_cost, seg_len, num_pieces, limits)
+    if dealt is None or min(len(p) for p in dealt) == 0:
+        # Indivisible or over-limit: cut the costliest splittable units of the pool in two instead.
+        dealt = halve_units([list(units.segments(u)) for u in tail.tolist()], seg_cost, group)
+    if dealt is None:
+        return by_cost
+    keep = by_cost[: num_base - tail.shape[0]]
+    sizes = np.array([len(p) for p in dealt], dtype=np.int64)
+    new_ids = units.add([np.asarray(p, dtype=np.int64) for p in dealt], seg_cost)
+    rank = np.argsort(-units.costs[new_ids], kind="stable")
+    # An empty piece (fewer segments than slots) is an empty slot: -1.
+    return np.concatenate([keep, np.where(sizes[rank] > 0, new_ids[rank], -1)])
+
+
+def _snake_deal(by_cost: np.ndarray, world_size: int, accum_steps: int) -> np.ndarray:
+    """Phase 3: consecutive runs of ``G`` slots make a step, dealt snake-wise over ranks inside it
+    (vectorised over steps). Returns ``assignment`` ``(num_steps, world_size, accum_steps)``::
+
+        2 ranks x 2 micro-batches, one step's slots by cost   u0 u1 u2 u3
+        rank 0: [u0, u3]    rank 1: [u1, u2]                   (0 1 | 1 0: costliest meets cheapest)
+    """
+    group = world_size * accum_steps
     num_slots = -(-by_cost.shape[0] // group) * group
     num_steps = num_slots // group
     slots = np.full(num_slots, -1, dtype=np.int64)
     slots[: by_cost.shape[0]] = by_cost
     slots = slots.reshape(num_steps, group)
-    num_units = unit_start.shape[0]
-    # Snake deal inside each step (vectorised over steps): ranks 0..W-1, then W-1..0, ...
     j = np.arange(group)
     rnd, k = j // world_size, j % world_size
     rank_of = np.where(rnd % 2 == 0, k, world_size - 1 - k)
     assignment = np.full((num_steps, world_size, accum_steps), -1, dtype=np.int64)
     assignment[:, rank_of, rnd] = slots
-    # Where a step is still uneven (the tail of the cost order, heavy-tailed data), move or swap
-    # segments between its heaviest and lightest rank. Only those steps loop in Python.
-    if world_size > 1 and num_units and balance_rounds:
-        rc = np.where(assignment >= 0, costs[np.maximum(assignment, 0)], 0).sum(axis=2)
-        uneven = np.flatnonzero(rc.max(axis=1) > BALANCE_TOLERANCE * np.maximum(rc.mean(axis=1), 1))
-        appended = order.shape[0]
-        for s in uneven.tolist():
-            step = assignment[s]
-            members = {int(u): list(order[unit_start[u] : unit_end[u]]) for u in step.ravel() if u >= 0}
-            changed = repartition_step(step, members, seg_cost, plan.seg_lengths, limits)
-            changed |= balance_step(step, members, seg_cost, plan.seg_lengths, limits, balance_rounds)
-            if changed:
-                for u, segs in members.items():
-                    arr = np.asarray(segs, dtype=np.int64)
-                    unit_start[u], unit_end[u] = appended, appended + arr.shape[0]
-                    appended += arr.shape[0]
-                    costs[u] = int(seg_cost[arr].sum()) if arr.size else 0
-                    pieces.append(arr)
-        if len(pieces) > 1:
-            order = np.concatenate(pieces)
-        # Steps still uneven (one long example in a token budget, a tail of a few examples) are
-        # dissolved with their neighbours in cost order and formed again, every rank to the same cost.
-        rc = np.where(assignment >= 0, costs[np.maximum(assignment, 0)], 0).sum(axis=2)
-        imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
-        uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
-        if uneven.size:
-            reformer = Reformer(
-                seg_cost, plan.seg_lengths, limits, world_size, accum_steps, cost, balance_rounds
-            )
-            found = reform_uneven(
-                assignment,
-                lambda u: order[unit_start[u] : unit_end[u]],
-                uneven,
-                reformer,
-                imbalance,
-                max_extra_steps,
-            )
-            if found is not None:
-                dissolved, new_steps = found
-                loads = [mb.segs for step in new_steps for load in step for mb in load]
-                sizes = np.array([len(mb) for mb in loads], dtype=np.int64)
-                starts = order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
-                first = unit_start.shape[0]
-                unit_start = np.concatenate([unit_start, starts])
-                unit_end = np.concatenate([unit_end, starts + sizes])
-                costs = np.concatenate([costs, [int(seg_cost[mb].sum()) for mb in loads]])
-                order = np.concatenate([order, *[np.asarray(mb, dtype=np.int64) for mb in loads]])
-                ids = np.arange(first, first + len(loads)).reshape(len(new_steps), world_size, accum_steps)
-                kept = np.ones(num_steps, dtype=bool)
-                kept[dissolved] = False
-                assignment = np.concatenate([assignment[kept], ids])
-                num_steps = assignment.shape[0]
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(plan.epoch), world_size, accum_steps]))
-    assignment = assignment[rng.permutation(num_steps)]
-    return DistributedPlan(
-        plan, world_size, accum_steps, cost, order, unit_start, unit_end, assignment, costs
-    )
+    return assignment
+
+
+def _rank_costs(assignment: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """``(num_steps, world_size)`` cost of each rank in each step."""
+    return np.where(assignment >= 0, costs[np.maximum(assignment, 0)], 0).sum(axis=2)
+
+
+def _balance_uneven(
+    assignment: np.ndarray,
+    units: _Units,
+    seg_cost: np.ndarray,
+    seg_len: np.ndarray,
+    limits: UnitLimits,
+    balance_rounds: int,
+) -> None:
+    """Phase 4, in place: steps more than :data:`~._tuning.BALANCE_TOLERANCE` uneven get their
+    segments dealt again (costliest first to the least-loaded rank that can take them), then single
+    segments moved or swapped between the heaviest and lightest rank, within the strategy's limits.
+    Only those steps loop in Python::
+
+        rank costs   [120, 80]   ->  move a 20-token segment   ->  [100, 100]
+    """
+    rc = _rank_costs(assignment, units.costs)
+    uneven = np.flatnonzero(rc.max(axis=1) > BALANCE_TOLERANCE * np.maximum(rc.mean(axis=1), 1))
+    pieces: list[np.ndarray] = [units.order]
+    appended = units.order.shape[0]
+    for s in uneven.tolist():
+        step = assignment[s]
+        members = {int(u): list(units.segments(u)) for u in step.ravel() if u >= 0}
+        changed = repartition_step(step, members, seg_cost, seg_len, limits)
+        changed |= balance_step(step, members, seg_cost, seg_len, limits, balance_rounds)
+        if changed:
+            for u, segs in members.items():
+                arr = np.asarray(segs, dtype=np.int64)
+                units.start[u], units.end[u] = appended, appended + arr.shape[0]
+                appended += arr.shape[0]
+                units.costs[u] = int(seg_cost[arr].sum()) if arr.size else 0
+                pieces.append(arr)
+    if len(pieces) > 1:
+        units.order = np.concatenate(pieces)
+
+
+def _reform_uneven(
+    assignment: np.ndarray,
+    units: _Units,
+    seg_cost: np.ndarray,
+    reformer: Reformer,
+    max_extra_steps: int | None,
+) -> np.ndarray:
+    """Phase 5: steps still more than :data:`~._tuning.REFORM_TOLERANCE` uneven (one long example in
+    a token budget, a tail of a few examples) are dissolved with their neighbours in cost order and
+    formed again, every rank to the same cost (:func:`~._reform.reform_uneven`). Returns the new
+    assignment (the kept steps, then the formed ones)::
+
+        steps   s4 [300, 100]  s5 [160, 150]   ->  dissolved together  ->  [205, 205] [200, 200]
+    """
+    rc = _rank_costs(assignment, units.costs)
+    imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
+    uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
+    if not uneven.size:
+        return assignment
+    found = reform_uneven(assignment, units.segments, uneven, reformer, imbalance, max_extra_steps)
+    if found is None:
+        return assignment
+    dissolved, new_steps = found
+    loads = [mb.segs for step in new_steps for load in step for mb in load]
+    ids = units.add([np.asarray(mb, dtype=np.int64) for mb in loads], seg_cost)
+    kept = np.ones(assignment.shape[0], dtype=bool)
+    kept[dissolved] = False
+    return np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
+
+
+def _shuffle_steps(assignment: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """Phase 6: the order of steps, shuffled by ``(seed, epoch, world_size, accum_steps)``: every rank
+    computes the same permutation with no communication."""
+    num_steps, world_size, accum_steps = assignment.shape
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), world_size, accum_steps]))
+    return assignment[rng.permutation(num_steps)]
