@@ -1,0 +1,197 @@
+"""The summary of a bench: per strategy, speed as ratios to the baseline of the same bench (seed by
+seed), eval with its spread across seeds, what was cut; as rows, and as one screen of plain text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from smart_batching.bench.plots import spread
+from smart_batching.planners import BASELINE_STRATEGY
+
+# --------------------------------------------------------------------------------------------------
+# Aggregation
+# --------------------------------------------------------------------------------------------------
+
+
+def group_benches(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Records by ``bench_id``, in file order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault(str(r.get("bench_id", "?")), []).append(r)
+    return out
+
+
+def _strategies(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault(r["strategy"], []).append(r)
+    return out
+
+
+def speed_ratios(
+    records: Sequence[dict[str, Any]], baseline: str = BASELINE_STRATEGY, *, key: str = "wall_seconds"
+) -> dict[str, list[float]]:
+    """Per strategy, the speed-up over ``baseline`` for each seed that both ran (same bench).
+
+    Every run of a bench trains on the same tokens, so the speed-up is ``baseline time / run time``
+    (``key="wall_seconds"``: the tokens/s ratio; ``key="cpu_seconds"``: process CPU time;
+    ``key="token_slots"``: the padded compute, which no other process on the machine can disturb).
+    """
+    base = {r["seed"]: r.get(key) for r in records if r["strategy"] == baseline and r.get("status") == "ok"}
+    out: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("status") == "ok" and base.get(r["seed"]) and r.get(key):
+            out.setdefault(r["strategy"], []).append(base[r["seed"]] / r[key])
+    return out
+
+
+def fmt_spread(values: Sequence[float | None], fmt: str = "{:.3f}", *, compact: bool = False) -> str:
+    """``v`` for one value, ``v (lo–hi)`` for two, ``mean ± std`` for more; ``-`` for none.
+
+    ``compact=True`` writes ``v±d`` in every case (``d``: half the range for two values, the std for more).
+    """
+    vals = [v for v in values if v is not None and np.isfinite(v)]
+    if not vals:
+        return "-"
+    center, lo, hi = spread(vals)
+    if len(vals) == 1:
+        return fmt.format(center)
+    if compact:
+        return f"{fmt.format(center)}±{fmt.format((hi - lo) / 2)}"
+    if len(vals) == 2:
+        return f"{fmt.format(center)} ({fmt.format(lo)}–{fmt.format(hi)})"
+    return f"{fmt.format(center)} ± {fmt.format(hi - center)}"
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _cut_cell(r: dict[str, Any]) -> str:
+    d = r.get("dropped") or {}
+    parts = []
+    if d.get("num_truncated"):
+        parts.append(f"{d['num_truncated']:,} truncated ({d.get('truncated_tokens', 0):,} tok)")
+    for key, word in (("num_dropped_by_plan", "dropped"), ("num_split_by_plan", "split")):
+        if d.get(key):
+            parts.append(f"{d[key]:,} {word}")
+    if d.get("num_examples_not_seen"):
+        parts.append(f"{d['num_examples_not_seen']:,} not seen")
+    return ", ".join(parts) or "none"
+
+
+def _metric_cell(runs: list[dict[str, Any]], compact: bool = False) -> str:
+    metrics = [r.get("task_metric") for r in runs if r.get("task_metric")]
+    if not metrics:
+        return "-"
+    values = [100 * m["value"] for m in metrics]
+    cell = fmt_spread(values, "{:.1f}", compact=compact) + "%"
+    if len(metrics) == 1:
+        cell += f" ({metrics[0]['correct']}/{metrics[0]['total']})"
+    return cell
+
+
+def summary_rows(
+    records: Sequence[dict[str, Any]], *, compact: bool = False
+) -> tuple[list[str], list[list[str]]]:
+    """Headers and one row per strategy of one bench (strings, ready for any table format).
+
+    ``compact=True`` writes spreads across seeds as ``v±d`` (see :func:`fmt_spread`).
+    """
+
+    def cell(values: Sequence[float | None], fmt: str) -> str:
+        return fmt_spread(values, fmt, compact=compact)
+
+    headers = [
+        "strategy", "seeds", "steps", "examples", "wall s", "CPU s", "tokens/s", "x random", "x random CPU", "samples/s",
+        "step p50/p90 ms", "padding", "token slots", "x random slots", "peak MB", "train loss", "eval loss", "ppl", "task metric",
+        "truncated / dropped",
+    ]  # fmt: skip
+    ratios = speed_ratios(records)
+    cpu_ratios = speed_ratios(records, key="cpu_seconds")
+    slot_ratios = speed_ratios(records, key="token_slots")
+    rows = []
+    for name, runs in _strategies(records).items():
+        ok = [r for r in runs if r.get("status") == "ok"]
+        if not ok:
+            rows.append(
+                [
+                    name,
+                    str(len(runs)),
+                    *["-"] * (len(headers) - 3),
+                    "skipped: " + str(runs[0].get("skip_reason", "")).split(":")[0],
+                ]
+            )
+            continue
+        steps = sorted({r["num_steps"] for r in ok})
+        p50 = _mean([(r.get("step_seconds") or {}).get("p50") for r in ok])
+        p90 = _mean([(r.get("step_seconds") or {}).get("p90") for r in ok])
+        ppl = [(r.get("eval") or {}).get("perplexity") for r in ok]
+        rows.append(
+            [
+                name,
+                ",".join(str(r["seed"]) for r in ok),
+                "/".join(str(s) for s in steps),
+                f"{_mean([r['num_examples_seen'] for r in ok]):,.0f}",
+                cell([r["wall_seconds"] for r in ok], "{:.1f}"),
+                cell([r.get("cpu_seconds") for r in ok], "{:.1f}"),
+                cell([r["tokens_per_second"] for r in ok], "{:,.0f}"),
+                cell(ratios.get(name, []), "{:.2f}") + ("x" if ratios.get(name) else ""),
+                cell(cpu_ratios.get(name, []), "{:.2f}") + ("x" if cpu_ratios.get(name) else ""),
+                cell([r["samples_per_second"] for r in ok], "{:.2f}"),
+                "-" if p50 is None else f"{1000 * p50:,.0f} / {1000 * (p90 or 0):,.0f}",
+                cell([100 * r["padding_ratio"] for r in ok], "{:.1f}") + "%",
+                f"{_mean([r['token_slots'] for r in ok]):,.0f}",
+                cell(slot_ratios.get(name, []), "{:.2f}") + ("x" if slot_ratios.get(name) else ""),
+                cell([r.get("peak_memory_mb") for r in ok], "{:,.0f}"),
+                cell([r.get("train_loss_final") for r in ok], "{:.3f}"),
+                cell([(r.get("eval") or {}).get("loss") for r in ok], "{:.4f}"),
+                cell([p for p in ppl if p is not None], "{:,.2f}"),
+                _metric_cell(ok, compact),
+                _cut_cell(ok[0]),
+            ]
+        )
+    return headers, rows
+
+
+def _text_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+SCREEN_COLUMNS = ("strategy", "steps", "wall s", "CPU s", "x random", "x random CPU", "x random slots", "padding", "peak MB",
+                  "eval loss", "task metric", "truncated / dropped")  # fmt: skip
+
+
+def summary_table(records: Sequence[dict[str, Any]]) -> str:
+    """One screen of plain text per bench: a header line and one row per strategy."""
+    from smart_batching.bench.machine import machine_line
+
+    blocks = []
+    for bench_id, recs in group_benches(records).items():
+        headers, rows = summary_rows(recs, compact=True)
+        keep = [headers.index(c) for c in SCREEN_COLUMNS]
+        first = recs[0]
+        data = first.get("data") or {}
+        s = first.get("settings") or {}
+        head = (
+            f"bench {bench_id}: {first.get('model')} on {data.get('source')} ({first.get('task')}), "
+            f"{s.get('num_examples')} examples x {s.get('epochs')} epoch(s), batch_size {s.get('batch_size')}, "
+            f"max_tokens/capacity {s.get('max_tokens')}/{s.get('capacity')}"
+            + (f", {s['nproc']} processes per run" if (s.get("nproc") or 1) > 1 else "")
+            + "\n"
+            f"machine: {machine_line(first.get('machine') or {})}"
+        )
+        table = _text_table([headers[i] for i in keep], [[r[i] for i in keep] for r in rows])
+        blocks.append(f"{head}\n{table}")
+    return "\n\n".join(blocks)
