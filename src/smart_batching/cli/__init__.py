@@ -27,6 +27,7 @@ COMMAND_ORDER = ("analyze", "demo", "train", "bench", "infer", "report")
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_INTERNAL = 1
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -52,6 +53,11 @@ def build_parser() -> ArgumentParser:
         description="Plan padding-free batches and measure what they save.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of a failure (anywhere on the line; or SMART_BATCHING_DEBUG=1)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     for name in command_modules():
         module = importlib.import_module(f"{__name__}.{name}")
@@ -61,10 +67,18 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def print_error(exc: BaseException) -> None:
-    """Print an exception as one ``error: ...`` line on stderr."""
+def print_error(exc: BaseException, *, hint: str | None = None) -> None:
+    """Print an exception as one ``error: ...`` line on stderr (its type too, unless it is one of
+    ours, whose messages say what to change)."""
     message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"error: {message}", file=sys.stderr)
+    if isinstance(exc, UnicodeDecodeError):
+        message = (
+            f"the input is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "convert the file to UTF-8"
+        )
+    elif not isinstance(exc, SmartBatchingError | OSError):
+        message = f"{type(exc).__name__}: {message}"
+    print(f"error: {message}" + (f" ({hint})" if hint else ""), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: arguments without the program name; None means ``sys.argv[1:]``.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug anywhere on the line (or SMART_BATCHING_DEBUG=1): tracebacks instead of one-line errors.
+    debug = "--debug" in argv or os.environ.get("SMART_BATCHING_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -87,12 +105,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (SmartBatchingError, OSError) as exc:
-        print_error(exc)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (SmartBatchingError, OSError, UnicodeDecodeError, ValueError) as exc:
+        if debug:
+            raise
+        print_error(exc)
+        return EXIT_USAGE
+    except Exception as exc:  # a bug or an upstream failure: still one line, the traceback on --debug
+        if debug:
+            raise
+        print_error(exc, hint="run again with --debug for the traceback")
+        return EXIT_INTERNAL
 
 
 __all__ = ["ArgumentParser", "build_parser", "command_modules", "main", "print_error"]

@@ -364,8 +364,8 @@ def compute_lengths(
                 raise DataError(f"{os.fspath(source)!r}: no such file")
             try:
                 arr = np.load(path, allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise DataError(f"{path}: cannot read as a .npy array of lengths: {exc}") from exc
+            except (OSError, ValueError, EOFError) as exc:
+                raise DataError(f"{path}: cannot read as a .npy array of lengths: {exc or 'empty'}") from exc
             return as_lengths(arr, name=str(path))
         from smart_batching.data import load_dataset_any
 

@@ -120,11 +120,13 @@ def _read_file(path: Path) -> Any:
 
         parse = pcsv.ParseOptions(delimiter="\t", quote_char=False) if kind == "tsv" else None
         try:
-            return pcsv.read_csv(str(path), parse_options=parse)
+            table = pcsv.read_csv(str(path), parse_options=parse)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             if "Empty CSV file" in str(exc):
                 raise DataError(f"{path} is empty (no header)") from exc
             raise DataError(f"{path}: cannot parse as {kind.upper()}: {exc}") from exc
+        _check_utf8(table, path)
+        return table
     if kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -139,6 +141,24 @@ def _read_file(path: Path) -> Any:
         raise DataError(f"{path}: cannot read as an Arrow dataset file: {exc}") from exc
 
 
+def _check_utf8(table: Any, path: Path) -> None:
+    """One rule for every format: text that is not UTF-8 is refused, naming the record and field (pyarrow
+    reads such a CSV column as binary instead of failing)."""
+    import pyarrow as pa
+
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+            continue
+        for i, value in enumerate(column.to_pylist()):  # only on the error path
+            try:
+                None if value is None else value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}: record {i + 1} (line {i + 2}), field {name!r} is not UTF-8 text (byte "
+                    f"0x{value[exc.start]:02x}); convert the file to UTF-8"
+                ) from exc
+
+
 def _open_text(path: Path):
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
@@ -150,7 +170,9 @@ def _read_jsonl(path: Path) -> Any:
     import pyarrow.json as pjson
 
     try:
-        return pjson.read_json(str(path))
+        table = pjson.read_json(str(path))
+        table.validate(full=True)  # pyarrow reads bytes that are not UTF-8 into string columns unchecked
+        return table
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         fast_error = exc
     # pyarrow's row numbers count within a block and skip blank lines; re-read to name the line.
@@ -162,9 +184,16 @@ def _read_jsonl(path: Path) -> Any:
 
 def _parse_json_lines(path: Path) -> list[dict]:
     records: list[dict] = []
-    with _open_text(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            line = raw.rstrip("\r\n")
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as f:  # bytes, decoded line by line: a bad byte is named with its line
+        for lineno, data in enumerate(f, 1):
+            try:
+                line = data.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}: line {lineno} is not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
+                    f"{exc.start + 1}); convert the file to UTF-8"
+                ) from exc
             if not line.strip():
                 continue
             try:
