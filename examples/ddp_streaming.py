@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = trainer.train()
     rank = training_args.process_index
-    even = trainer.smart_batching.distributed.even_steps
+    even = trainer.smart_batching.even_steps
     record = {
         "rank": rank,
         "world_size": training_args.world_size,
