@@ -125,6 +125,37 @@ def _minilm_classifier(num_labels: int) -> Any:
     return model
 
 
+def _model_from_folder(path: str, tokenizer: Any) -> tuple[Any, Any]:
+    """A causal LM or sequence classifier saved as a transformers folder, and its tokenizer (the
+    folder's own unless one is given)."""
+    import os
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"model={path!r} is neither a model name ({', '.join(BENCH_MODELS)}) nor a folder with a "
+            "transformers config.json"
+        )
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    auto = (
+        transformers.AutoModelForSequenceClassification
+        if any("SequenceClassification" in a for a in archs)
+        else transformers.AutoModelForCausalLM
+    )
+    level = _quiet_transformers()
+    try:
+        model = auto.from_pretrained(path)
+    finally:
+        _restore_transformers(level)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
 def load_training_model(
     model: Any = "tiny-llama",
     *,
@@ -135,26 +166,25 @@ def load_training_model(
     """Build a bench model and take its initial state.
 
     Args:
-        model: a name of :data:`BENCH_MODELS` or a ``transformers`` model object.
+        model: a name of :data:`BENCH_MODELS`, a folder saved with ``save_pretrained`` (a causal LM,
+            or a sequence classifier by its ``architectures``), or a ``transformers`` model object.
         tokenizer: a tokenizer object or name; None means the model's own (``smollm2`` for the Llamas,
             ``minilm`` for MiniLM).
         num_labels: classes for ``minilm``.
         model_options: ``LlamaConfig`` fields overriding :data:`TINY_LLAMA` (``tiny-llama`` only).
 
     Raises:
-        ConfigError: unknown model name.
+        ConfigError: neither a known name nor a model folder.
     """
     require("transformers", "hf")
     import torch
 
     from smart_batching.data.tokenizers import load_tokenizer
 
+    if isinstance(model, str) and model.lower().replace("_", "-") not in BENCH_MODELS:
+        model, tokenizer = _model_from_folder(model, tokenizer)
     if isinstance(model, str):
         key = model.lower().replace("_", "-")
-        if key not in BENCH_MODELS:
-            raise ConfigError(
-                f"model={model!r} is not a bench model; choose one of {', '.join(BENCH_MODELS)}"
-            )
         name, kind = key, BENCH_MODELS[key]
         tok = tokenizer if tokenizer is not None else DEFAULT_TOKENIZERS[key]
         tok = load_tokenizer(tok) if isinstance(tok, str) else tok

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from smart_batching.cli.analyze import positive_int
+from smart_batching.errors import ConfigError
 
 
 def strategy_help() -> str:
@@ -48,17 +49,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--batch-size", type=positive_int, default=8, help="examples per batch (fixed-size strategies)"
     )
     p.add_argument(
-        "--max-tokens", type=positive_int, default=4096, help="padded tokens per batch (token_budget)"
-    )
-    p.add_argument("--capacity", type=positive_int, default=2048, help="tokens per packed row (packed)")
+        "--max-tokens", type=positive_int, default=None,
+        help="padded tokens per batch (token_budget); default: 4096, or --max-length if larger",
+    )  # fmt: skip
+    p.add_argument(
+        "--capacity", type=positive_int, default=None,
+        help="tokens per packed row (packed); default: 2048, or --max-length if larger",
+    )  # fmt: skip
     p.add_argument("--max-length", type=positive_int, default=2048, help="examples are truncated to this")
     p.add_argument("--num-examples", type=positive_int, default=None, help="use only the first N examples")
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--epochs", type=positive_float, default=1.0, help="passes over the data (> 0)")
     p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs)")
     p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient-accumulation micro-batches")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="output folder (checkpoints, trainer state)")
+    p.add_argument(
+        "--save-steps", type=positive_int, default=None,
+        help="write a checkpoint (weights, optimizer, sampler cursor) to --out every N optimizer steps",
+    )  # fmt: skip
+    p.add_argument(
+        "--resume", action="store_true",
+        help="continue from the newest checkpoint in --out, mid-epoch, at the batch it stopped",
+    )  # fmt: skip
     p.add_argument("--nproc", type=positive_int, default=1, help="processes: >1 re-launches under torchrun")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=run)
@@ -99,8 +112,15 @@ def run(args: argparse.Namespace) -> int:
     from smart_batching.data.tasks import prepare_training_data
     from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.hf import SmartBatchingTrainer, make_collator
+    from smart_batching.planners import Knobs
     from smart_batching.zoo import load_training_model
 
+    # Examples are truncated to --max-length, so every budget must hold one (checked before anything
+    # loads); rows padded to one width are --max-length wide.
+    knobs = Knobs(
+        batch_size=args.batch_size, max_tokens=_budget(args, "max_tokens", 4096),
+        capacity=_budget(args, "capacity", 2048), longest=args.max_length,
+    )  # fmt: skip
     cpu = not torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if cpu:
@@ -116,14 +136,8 @@ def run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         num_prompts=1,
     )
-    from smart_batching.planners import Knobs, spec_class
+    from smart_batching.planners import spec_class
 
-    # Examples are truncated to --max-length, so every budget must hold one; rows padded to one width
-    # are --max-length wide.
-    knobs = Knobs(
-        batch_size=args.batch_size, max_tokens=max(args.max_tokens, args.max_length),
-        capacity=max(args.capacity, args.max_length), longest=args.max_length,
-    )  # fmt: skip
     options = spec_class(args.strategy).options_from(knobs)
     pad_id = training_model.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else training_model.tokenizer.eos_token_id or 0
@@ -139,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         logging_steps=1,
         report_to=[],
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         disable_tqdm=not sys.stderr.isatty(),
     )
     imbalance: list[float] = []
@@ -167,8 +182,15 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         callbacks=[ImbalanceLogger()],
     )
+    checkpoint = None
+    if args.resume:
+        from smart_batching.compat import last_checkpoint
+
+        checkpoint = last_checkpoint(args.out) if os.path.isdir(args.out) else None
+        if checkpoint is None:
+            raise ConfigError(f"--resume: no checkpoint in --out {args.out} (write them with --save-steps N)")
     start = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     seconds = time.perf_counter() - start
     summary = {
         "strategy": args.strategy,
@@ -200,6 +222,30 @@ def run(args: argparse.Namespace) -> int:
         del trainer  # the DDP model first, then the process group (gloo can abort at interpreter exit)
         shutdown()
     return 0
+
+
+def _budget(args: argparse.Namespace, name: str, default: int) -> int:
+    """``--max-tokens`` / ``--capacity``: given, it must hold one example of ``--max-length`` tokens;
+    left out, the default or ``--max-length``, whichever is larger."""
+    value = getattr(args, name)
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        return max(default, args.max_length)
+    if value < args.max_length:
+        raise ConfigError(
+            f"{flag} {value} is below --max-length {args.max_length}: examples are truncated to --max-length, "
+            f"so one would not fit; raise {flag} or lower --max-length"
+        )
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"must be > 0, got {text} (use --max-steps to bound training by steps)"
+        )
+    return value
 
 
 class TokenCounter:

@@ -321,9 +321,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
         from smart_batching.distributed.even_steps import EvenSteps
 
-        self.smart_batching.even_steps = EvenSteps(
-            loader, multiple=args.gradient_accumulation_steps
-        )
+        self.smart_batching.even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
         return DataLoader(self.smart_batching.even_steps, batch_size=None, num_workers=0)
 
 

@@ -1,0 +1,75 @@
+"""`smart-batching train` keeps the word of its help: checkpoints and resume, a model folder, refused
+settings before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from smart_batching.cli import main  # noqa: E402
+
+BASE = [
+    "train",
+    "--data",
+    "default",
+    "--num-examples",
+    "48",
+    "--strategy",
+    "packed",
+    "--max-length",
+    "256",
+    "--json",
+]
+
+
+def _summary(capsys) -> dict:
+    out = capsys.readouterr().out
+    return json.loads([line for line in out.splitlines() if line.startswith('{"strategy"')][-1])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--epochs", "0"], "argument --epochs: must be > 0"),
+        (["--capacity", "128"], "--capacity 128 is below --max-length 256"),
+        (["--max-tokens", "100", "--strategy", "token_budget"], "--max-tokens 100 is below --max-length 256"),
+        (["--model", "/no/such/folder"], "is neither a model name"),
+    ],
+)
+def test_refused_settings_name_what_to_change(capsys, tmp_path, extra, message):
+    assert main([*BASE, "--out", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_checkpoints_and_resume_mid_run(capsys, tmp_path):
+    out = str(tmp_path / "run")
+    assert main([*BASE, "--out", out, "--resume"]) == 2
+    assert "no checkpoint in --out" in capsys.readouterr().err
+    assert main([*BASE, "--out", out, "--max-steps", "2", "--save-steps", "2"]) == 0
+    assert _summary(capsys)["steps"] == 2
+    assert (Path(out) / "checkpoint-2" / "smart_batching_sampler.json").is_file()
+    assert main([*BASE, "--out", out, "--max-steps", "4", "--save-steps", "2", "--resume"]) == 0
+    resumed = _summary(capsys)
+    assert resumed["steps"] == 4 and (Path(out) / "checkpoint-4").is_dir()
+    assert main([*BASE, "--out", str(tmp_path / "straight"), "--max-steps", "4"]) == 0
+    straight = _summary(capsys)
+    # The resumed run trained only the last two steps (from the checkpoint's sampler cursor).
+    assert resumed["real_tokens"] < 0.75 * straight["real_tokens"]
+
+
+def test_a_model_folder_trains(capsys, tmp_path):
+    from smart_batching.zoo import load_training_model
+
+    tiny = load_training_model("tiny-llama")
+    folder = tmp_path / "model"
+    tiny.fresh().save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    assert main([*BASE, "--out", str(tmp_path / "run"), "--model", str(folder), "--max-steps", "1"]) == 0
+    summary = _summary(capsys)
+    assert summary["steps"] == 1 and summary["model"] == "llama"
