@@ -65,3 +65,76 @@ def test_an_unexpected_failure_is_one_line_and_debug_shows_the_traceback(tmp_pat
     assert err == ["error: RuntimeError: something upstream broke (run again with --debug for the traceback)"]
     with pytest.raises(RuntimeError, match="something upstream broke"):
         main(["analyze", str(path), "--debug"])
+
+
+def _tiny_trainer(tmp_path, **kwargs):
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    from smart_batching.hf import SmartBatchingTrainer
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=600,
+    )  # fmt: skip
+    rows = [[1 + (i % 60)] * (10 + i) for i in range(12)]
+    columns = {"input_ids": rows, **kwargs.pop("columns", {})}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return SmartBatchingTrainer(
+        model=transformers.LlamaForCausalLM(config), args=args, train_dataset=datasets.Dataset.from_dict(columns),
+        strategy="packed", strategy_options={"capacity": 512}, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lengths": [10, 20]}, "lengths= has 2 lengths but train_dataset has 12 examples"),
+        (
+            {"lengths": [5] * 12},
+            "lengths= disagrees with input_ids for 12 example(s): example 0 has 10 tokens",
+        ),
+        ({"columns": {"length": [7] * 12}}, "the 'length' column disagrees with input_ids"),
+    ],
+)
+def test_the_trainer_refuses_lengths_that_disagree_with_the_data(tmp_path, kwargs, message):
+    from smart_batching.errors import ConfigError
+
+    trainer = _tiny_trainer(tmp_path, **kwargs)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        trainer.get_train_dataloader()
+
+
+def test_correct_lengths_are_taken(tmp_path):
+    trainer = _tiny_trainer(tmp_path, lengths=[10 + i for i in range(12)])
+    batches = list(trainer.get_train_dataloader())
+    assert sum(int((b["labels"] != -100).sum()) for b in batches) > 0 and len(batches) >= 1
+
+
+def test_lengths_no_model_can_take_are_refused():
+    import numpy as np
+
+    from smart_batching import plan_batches
+
+    with pytest.raises(
+        DataError, match="example 1 has 4,611,686,018,427,387,904 tokens, more than any model"
+    ):
+        plan_batches(np.array([5, 2**62, 7]), "packed", capacity=64)
+
+
+def test_no_token_slots_is_not_full_efficiency(capsys):
+    import numpy as np
+
+    from smart_batching.analysis import analyze, format_table
+
+    rows = analyze(
+        np.array([500, 600, 700]), capacity=64, max_tokens=64, overlong="drop", strategies=["packed"]
+    )
+    assert rows[0]["token_slots"] == 0 and rows[0]["efficiency"] is None and rows[0]["padding_pct"] is None
+    assert "n/a" in format_table(rows) and "100.0%" not in format_table(rows)

@@ -40,11 +40,16 @@ class Segment(NamedTuple):
     length: int
 
 
+MAX_EXAMPLE_TOKENS = 2**31 - 1
+"""Longest example accepted, in tokens (int32 positions; no model takes more). Larger values are a
+broken length column, and would overflow the int64 sums of the statistics."""
+
+
 def as_lengths(lengths: Any, *, name: str = "lengths") -> np.ndarray:
     """Validate token lengths and return them as a 1-D int64 array (no copy when already int64).
 
     Raises:
-        DataError: not 1-D, not integers, negative, or not convertible.
+        DataError: not 1-D, not integers, negative, over :data:`MAX_EXAMPLE_TOKENS`, or not convertible.
     """
     try:
         arr = np.asarray(lengths)
@@ -67,6 +72,12 @@ def as_lengths(lengths: Any, *, name: str = "lengths") -> np.ndarray:
     if arr.size and arr.min() < 0:
         bad = int(np.flatnonzero(arr < 0)[0])
         raise DataError(f"{name} must be non-negative; example {bad} has length {int(arr[bad])}")
+    if arr.size and arr.max() > MAX_EXAMPLE_TOKENS:
+        bad = int(np.argmax(arr))
+        raise DataError(
+            f"{name}: example {bad} has {int(arr[bad]):,} tokens, more than any model takes (at most "
+            f"{MAX_EXAMPLE_TOKENS:,}); check where the lengths come from (a length column, a .npy file)"
+        )
     return arr
 
 
@@ -123,7 +134,8 @@ class PlanStats:
     """Padding and shape figures of a plan. Tokens are counts of token positions.
 
     Attributes:
-        efficiency: real tokens / token slots (1.0 means no padding at all).
+        efficiency: real tokens / token slots (1.0 means no padding at all; NaN when there are no
+            token slots at all, e.g. every example dropped).
         padding_ratio: padding tokens / token slots (``1 - efficiency``).
         lower_bound_rows: fewest rows of ``capacity`` tokens that could hold the data (packing only).
     """
@@ -278,7 +290,7 @@ class BatchPlan:
     def stats(self) -> PlanStats:
         real = int(self.seg_lengths.sum())
         slots = int(self.slots_per_batch.sum())
-        eff = real / slots if slots else 1.0
+        eff = real / slots if slots else float("nan")  # no token slots: efficiency is undefined, not 100 %
         return PlanStats(
             strategy=self.strategy,
             num_examples=self.num_examples,

@@ -85,7 +85,7 @@ def plot_analysis(
 
     # Right: efficiency per strategy, best at the top.
     names = [r["strategy"] for r in records]
-    eff = np.array([100.0 * r["efficiency"] for r in records])
+    eff = np.array([np.nan if r["efficiency"] is None else 100.0 * r["efficiency"] for r in records])
     ypos = np.arange(len(records))[::-1]
     colors = ["#55a868" if e >= 95 else "#dd8452" if e >= 75 else "#c44e52" for e in eff]
     ax_eff.barh(ypos, eff, color=colors, height=0.6)

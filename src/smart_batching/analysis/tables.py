@@ -202,9 +202,9 @@ def _record(name: str, plan: Any, seconds: float, shared: dict, spec_fields: dic
     slots = plan.slots_per_batch
     return {
         "strategy": name,
-        "efficiency": st.efficiency,
+        "efficiency": st.efficiency if st.token_slots else None,  # None: no token slots (n/a)
         "padding_ratio": st.padding_ratio,
-        "padding_pct": 100.0 * st.padding_ratio,
+        "padding_pct": 100.0 * st.padding_ratio if st.token_slots else None,
         "num_batches": st.num_batches,
         "num_rows": st.num_rows,
         "num_examples": st.num_examples,
@@ -270,8 +270,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
         rows.append(
             [
                 r["strategy"],
-                f"{100 * r['efficiency']:.1f}%",
-                f"{r['padding_pct']:.1f}%",
+                "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%",
+                "n/a" if r["padding_pct"] is None else f"{r['padding_pct']:.1f}%",
                 _int(r["num_batches"]),
                 _int(r["num_rows"]),
                 _int(r["token_slots"]),

@@ -44,6 +44,44 @@ def dataset_lengths(
     return np.fromiter((len(dataset[i][input_column]) for i in range(n)), dtype=np.int64, count=n)
 
 
+def checked_lengths(dataset: Any, lengths: Any, length_column: str | None) -> np.ndarray:
+    """The lengths to plan ``dataset`` with: ``lengths`` when given, else its ``length_column``, else
+    its ``input_ids``; given or column lengths are checked against the data.
+
+    Raises:
+        ConfigError: ``lengths`` has another count than the dataset has examples, or lengths (given or
+            from the column) disagree with the ``input_ids`` they stand for: planning on them would train
+            on the wrong examples or overfill rows, silently.
+    """
+    from smart_batching.errors import ConfigError
+    from smart_batching.plan import as_lengths
+
+    columns = getattr(dataset, "column_names", None) or []
+    source = "lengths="
+    if lengths is None:
+        lengths = dataset_lengths(dataset, length_column=length_column)
+        if not (length_column and length_column in columns):
+            return lengths  # read from input_ids themselves
+        source = f"the {length_column!r} column"
+    lengths = as_lengths(lengths, name=source)
+    if lengths.shape[0] != len(dataset):
+        raise ConfigError(
+            f"{source} has {lengths.shape[0]} lengths but train_dataset has {len(dataset)} examples: give one "
+            "token count per example, in dataset order (or leave lengths= out to read them from input_ids)"
+        )
+    if "input_ids" in columns:
+        actual = dataset_lengths(dataset, length_column=None)
+        wrong = np.flatnonzero(actual != lengths)
+        if wrong.size:
+            i = int(wrong[0])
+            raise ConfigError(
+                f"{source} disagrees with input_ids for {wrong.size} example(s): example {i} has "
+                f"{int(actual[i])} tokens, {source} says {int(lengths[i])}. Fix or drop the lengths (leave "
+                "lengths= out, or length_column=None, to read them from input_ids)"
+            )
+    return lengths
+
+
 def model_input_dataset(dataset: Any) -> Any:
     """``dataset`` restricted to the columns the collators read (``datasets.Dataset`` only)."""
     names = getattr(dataset, "column_names", None)

@@ -18,6 +18,7 @@ from smart_batching import compat
 from smart_batching.errors import ConfigError
 from smart_batching.hf.data import (
     _is_iterable,
+    checked_lengths,
     dataset_lengths,
     default_pad_token_id,
     make_collator,
@@ -222,9 +223,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         every rank computes the same balanced plan and iterates its own micro-batches,
         ``gradient_accumulation_steps`` per optimizer step, with equal token counts across ranks.
         """
-        lengths = self.smart_batching.lengths
-        if lengths is None:
-            lengths = dataset_lengths(self.train_dataset, length_column=self.smart_batching.length_column)
+        lengths = checked_lengths(
+            self.train_dataset, self.smart_batching.lengths, self.smart_batching.length_column
+        )
         args = self.args
         if args.world_size > 1:
             from smart_batching.distributed import World
