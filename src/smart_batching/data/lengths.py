@@ -305,15 +305,67 @@ def lengths_from_records(
     n = _num_records(ds)
     out = np.empty(n, dtype=np.int64)
     pos = 0
+    empty: list[int] = []
     with tqdm(total=n, disable=not progress, desc=f"tokenizing ({fmt})", unit="ex") as bar:
         for batch in _record_batches(ds, needed, batch_size):
+            empty += [pos + i for i in _empty_rows(batch)]
             # The template decision depends only on the columns, their types and the tokenizer, so it
             # is the same for every batch.
             texts, chat = render_full(batch, tokenizer, format=fmt, use_chat_template=use_chat_template)
             out[pos : pos + len(texts)] = _token_counts(tokenizer, texts, add_special_tokens=not chat)
             pos += len(texts)
             bar.update(len(texts))
+    if empty:
+        _report_empty(ds, empty, needed, columns, fmt)
     return out
+
+
+def _blank(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, Mapping):
+        return all(_blank(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_blank(v) for v in value)
+    return False
+
+
+def _empty_rows(batch: Mapping[str, list[Any]]) -> list[int]:
+    """Rows of a batch whose every field the record shape reads is missing or blank."""
+    columns = list(batch.values())
+    n = len(columns[0]) if columns else 0
+    return [i for i in range(n) if all(_blank(col[i]) for col in columns)]
+
+
+def _report_empty(ds: Any, rows: list[int], needed: list[str], columns: list[str], fmt: str) -> None:
+    """Records with nothing to tokenize: a file mixing record shapes is refused (naming a record and
+    what it holds instead); truly empty records are counted in one warning naming the first few."""
+    import warnings
+
+    others = [c for c in columns if c not in needed]
+    for i in rows[:1000] if others else ():
+        record = ds[i] if not isinstance(ds, Mapping) else {c: ds[c][i] for c in ds}
+        held = [c for c in others if not _blank(record.get(c))]
+        if held:
+            raise DataError(
+                f"record {i + 1} has no {', '.join(needed)} but holds {', '.join(held)}: the file mixes record "
+                f"shapes (read as {fmt!r}, from its columns). Split it into one file per shape, or choose the "
+                "shape with format="
+            )
+    first = ", ".join(str(i + 1) for i in rows[:5])
+    warnings.warn(
+        f"{len(rows)} of {_num_records(ds)} records have no text in {', '.join(needed)} (records {first}"
+        f"{', ...' if len(rows) > 5 else ''}, counting from 1): they count as examples of 0 tokens, or only "
+        "the special tokens; drop them from the data",
+        EmptyRecordsWarning,
+        stacklevel=3,
+    )
+
+
+class EmptyRecordsWarning(UserWarning):
+    """Some records have no text to tokenize (counted and named in the message)."""
 
 
 def compute_lengths(
