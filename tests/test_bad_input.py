@@ -167,3 +167,65 @@ def test_a_file_mixing_record_shapes_is_refused():
         DataError, match="record 2 has no messages but holds text: the file mixes record shapes"
     ):
         lengths_from_records(records, _gpt2(), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"messages": "just a string"}\n', "record 1: 'messages' is a str, expected a list of {role, content}"),
+        ('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [{"content": "b"}]}\n',
+         "record 2: message 1 has no 'role'"),
+    ],
+)  # fmt: skip
+def test_malformed_chat_messages_name_the_record(tmp_path, capsys, content, message):
+    _gpt2()
+    path = tmp_path / "chat.jsonl"
+    path.write_text(content)
+    assert main(["analyze", str(path), "--tokenizer", "gpt2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["analyze", "LENGTHS", "--plot", "out.txt"], "argument --plot: 'out.txt' must end in one of .png"),
+        (["analyze", "-"], "'-' is standard input: save the data to a file"),
+        (["train", "--lr", "-1"], "argument --lr: must be a positive number"),
+    ],
+)
+def test_cli_settings_are_checked_before_work(tmp_path, capsys, argv, message):
+    import numpy as np
+
+    np.save(tmp_path / "l.npy", np.array([3, 4, 5]))
+    argv = [str(tmp_path / "l.npy") if a == "LENGTHS" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_a_cuda_device_without_a_gpu_is_refused(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "--device", "cuda", "--max-steps", "1"]) == 2
+    assert "--device cuda: this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_garbled_resume_states_are_reported_with_their_path(tmp_path):
+    from smart_batching.errors import ConfigError
+    from smart_batching.hf import read_sampler_state
+    from smart_batching.streaming import StreamingBatcher
+
+    (tmp_path / "smart_batching_sampler.json").write_text('{"epoch": 1, "batches_')
+    with pytest.raises(DataError, match="smart_batching_sampler.json: the sampler cursor is not valid JSON"):
+        read_sampler_state(tmp_path)
+    batcher = StreamingBatcher([5, 6, 7, 8], "packed", capacity=16, buffer_size=4)
+    state = batcher.state_dict()
+    del state["buffer"]
+    with pytest.raises(ConfigError, match="a garbled StreamingBatcher state: missing buffer"):
+        batcher.load_state_dict(state)
+    state = batcher.state_dict()
+    state["counters"] = {"num_examples": "x"}
+    with pytest.raises(ConfigError, match="a garbled StreamingBatcher state"):
+        batcher.load_state_dict(state)

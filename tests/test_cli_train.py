@@ -35,7 +35,8 @@ def _summary(capsys) -> dict:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--epochs", "0"], "argument --epochs: must be > 0"),
+        (["--epochs", "0"], "argument --epochs: must be a positive number"),
+        (["--lr", "-1"], "argument --lr: must be a positive number"),
         (["--capacity", "128"], "--capacity 128 is below --max-length 256"),
         (["--max-tokens", "100", "--strategy", "token_budget"], "--max-tokens 100 is below --max-length 256"),
         (["--model", "/no/such/folder"], "is neither a model name"),

@@ -24,6 +24,44 @@ DEFAULT_TOKENIZER = "smollm2"
 FORMAT_CHOICES = ("auto", *FORMATS)
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def plot_path(text: str) -> str:
+    """argparse type: a file name whose suffix is an image format matplotlib writes."""
+    if not text.lower().endswith(PLOT_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"{text!r} must end in one of {', '.join(PLOT_SUFFIXES)}")
+    return text
+
+
+def check_readable_input(data: str) -> None:
+    """Refuse standard input and pipes by name: lengths need a file that can be read twice.
+
+    Raises:
+        ConfigError: ``-``, a FIFO or a character device.
+    """
+    import stat
+
+    from smart_batching.errors import ConfigError
+
+    if data == "-" or (os.path.exists(data) and not (os.path.isfile(data) or os.path.isdir(data))):
+        what = "standard input" if data == "-" or not os.path.exists(data) else "a pipe or device"
+        if data != "-" and stat.S_ISFIFO(os.stat(data).st_mode):
+            what = "a pipe"
+        raise ConfigError(f"{data!r} is {what}: save the data to a file and pass its path")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
     try:
@@ -124,7 +162,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_analysis_options(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON record per strategy per line")
-    o.add_argument("--plot", default=None, metavar="FILE.png", help="also write a PNG of the analysis")
+    o.add_argument(
+        "--plot",
+        default=None,
+        type=plot_path,
+        metavar="FILE.png",
+        help="also write a plot of the analysis (.png, .svg, .pdf)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -150,6 +194,7 @@ def load_lengths(
     """Lengths of ``data`` (any source :func:`~smart_batching.data.lengths.compute_lengths` takes, or ``default``)."""
     from smart_batching.data.lengths import compute_lengths
 
+    check_readable_input(data)
     kwargs = {"column": column, "format": format, "split": split, "progress": progress}
     if data == DEFAULT_DATA:
         from smart_batching.data.default_data import default_dataset_as_hf

@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from smart_batching.cli.analyze import non_negative_int, positive_int
+from smart_batching.cli.analyze import non_negative_int, positive_float, positive_int
 from smart_batching.planners import STRATEGIES
 
 DEFAULT_OUT = "out/bench"
@@ -37,16 +37,6 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"must be comma-separated non-negative integers, got {text!r}")
     return values
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -116,7 +106,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--lr",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="learning rate (default: 1e-3 tiny-llama, 5e-5 smollm2, 1e-4 minilm)",
     )
@@ -202,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=args.out,
         append=args.append,
         progress=not args.no_progress,
-        device=args.device,
+        device=check_device(args.device),
         threads=args.threads,
         nproc=args.nproc,
         on_record=emit,
@@ -216,3 +206,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"report:  {out / 'report.html'} (and {out / 'report.md'})\n", file=stream)
     print(summary_table(records), file=stream)
     return 0
+
+
+def check_device(device: str | None) -> str | None:
+    """Refuse a CUDA device where there is none, before anything loads.
+
+    Raises:
+        ConfigError: ``--device cuda...`` and ``torch.cuda.is_available()`` is False.
+    """
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            from smart_batching.errors import ConfigError
+
+            raise ConfigError(
+                f"--device {device}: this machine has no CUDA GPU (or torch is a CPU build); use --device cpu"
+            )
+    return device

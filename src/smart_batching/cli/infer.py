@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from smart_batching.cli.analyze import positive_int
+from smart_batching.cli.bench import check_device
 from smart_batching.errors import DataError
 
 EXIT_PARTIAL = 1  # some input lines were malformed and skipped; the rest ran
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.input}:{lineno}: skipped: {reason}", file=sys.stderr)
     if not good:
         raise DataError(f"{args.input}: no usable line ({len(bad)} malformed); nothing to run")
-    model = load_model(args.model, task=task, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, task=task, dtype=args.dtype, device=check_device(args.device))
     load_s = time.perf_counter() - start
 
     from smart_batching import inference

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from smart_batching.cli.analyze import positive_int
+from smart_batching.cli.analyze import positive_float, positive_int
 from smart_batching.errors import ConfigError
 
 
@@ -58,10 +58,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--max-length", type=positive_int, default=2048, help="examples are truncated to this")
     p.add_argument("--num-examples", type=positive_int, default=None, help="use only the first N examples")
-    p.add_argument("--epochs", type=positive_float, default=1.0, help="passes over the data (> 0)")
+    p.add_argument(
+        "--epochs",
+        type=positive_float,
+        default=1.0,
+        help="passes over the data (> 0; --max-steps bounds by steps)",
+    )
     p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs)")
     p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient-accumulation micro-batches")
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=positive_float, default=5e-4, help="learning rate (> 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="output folder (checkpoints, trainer state)")
     p.add_argument(
@@ -235,15 +240,6 @@ def _budget(args: argparse.Namespace, name: str, default: int) -> int:
         raise ConfigError(
             f"{flag} {value} is below --max-length {args.max_length}: examples are truncated to --max-length, "
             f"so one would not fit; raise {flag} or lower --max-length"
-        )
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(
-            f"must be > 0, got {text} (use --max-steps to bound training by steps)"
         )
     return value
 

@@ -253,12 +253,35 @@ def _clean(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
+class BadRecordError(DataError):
+    """A record whose fields do not have the shape's form; ``row`` is its index in the batch rendered."""
+
+    def __init__(self, row: int, problem: str) -> None:
+        super().__init__(f"record {row + 1} of its batch: {problem}")
+        self.row, self.problem = row, problem
+
+
+def _check_messages(msgs: Any, row: int) -> None:
+    if msgs is None:
+        return
+    if isinstance(msgs, str) or not isinstance(msgs, Sequence):
+        raise BadRecordError(
+            row, f"'messages' is a {type(msgs).__name__}, expected a list of {{role, content}} messages"
+        )
+    for k, m in enumerate(msgs):
+        if not isinstance(m, Mapping):
+            raise BadRecordError(row, f"message {k + 1} is a {type(m).__name__}, expected {{role, content}}")
+        if not m.get("role"):
+            raise BadRecordError(row, f"message {k + 1} has no 'role' (user, assistant or system)")
+
+
 def _conversations(fmt: str, batch: Mapping[str, Sequence[Any]]) -> list[tuple[list[dict], int]]:
     """Each record as (messages, number of leading prompt messages)."""
     n = len(next(iter(batch.values()))) if batch else 0
     out: list[tuple[list[dict], int]] = []
     if fmt == "messages":
-        for msgs in batch["messages"]:
+        for i, msgs in enumerate(batch["messages"]):
+            _check_messages(msgs, i)
             msgs = _clean(msgs or [])
             last_is_reply = bool(msgs) and msgs[-1].get("role") == "assistant"
             out.append((msgs, len(msgs) - 1 if last_is_reply else len(msgs)))

@@ -294,7 +294,7 @@ def lengths_from_records(
         ``(num_examples,)`` int64 token counts of the full text (prompt + completion). Text from a
         chat template is counted without adding special tokens again; plain text with them.
     """
-    from smart_batching.data.formats import render_full, resolve_format
+    from smart_batching.data.formats import BadRecordError, render_full, resolve_format
 
     tokenizer = _resolve_tokenizer(tokenizer, "counting tokens of records")
     columns = _record_columns(ds)
@@ -311,7 +311,12 @@ def lengths_from_records(
             empty += [pos + i for i in _empty_rows(batch)]
             # The template decision depends only on the columns, their types and the tokenizer, so it
             # is the same for every batch.
-            texts, chat = render_full(batch, tokenizer, format=fmt, use_chat_template=use_chat_template)
+            try:
+                texts, chat = render_full(batch, tokenizer, format=fmt, use_chat_template=use_chat_template)
+            except BadRecordError as exc:
+                raise DataError(
+                    f"record {pos + exc.row + 1}: {exc.problem}; fix or drop that record"
+                ) from exc
             out[pos : pos + len(texts)] = _token_counts(tokenizer, texts, add_special_tokens=not chat)
             pos += len(texts)
             bar.update(len(texts))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from smart_batching import compat
-from smart_batching.errors import ConfigError
+from smart_batching.errors import ConfigError, DataError
 
 logger = logging.getLogger("smart_batching.hf")
 
@@ -236,5 +236,14 @@ def read_sampler_state(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(
+            f"{path}: the sampler cursor is not valid JSON ({exc}); resume from another checkpoint, or set "
+            "ignore_data_skip=True to restart the data order"
+        ) from exc
+    if not isinstance(state, dict):
+        raise DataError(f"{path}: the sampler cursor must be a JSON object, got {type(state).__name__}")
+    return state

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from smart_batching.errors import ConfigError, DataError, OverlongError
+from smart_batching.errors import ConfigError, DataError, OverlongError, SmartBatchingError
 from smart_batching.plan import Segment
 from smart_batching.planners import Room, Tuning, make_spec, spec_class, strategy_names
 from smart_batching.planners._common import apply_overlong
@@ -26,6 +26,19 @@ from smart_batching.streaming._rounds import (
 from smart_batching.streaming._stats import _COUNTERS, StreamingStats, _non_negative, _positive_or_none
 
 # --- The batcher -------------------------------------------------------------------------------------
+
+
+_STATE_KEYS = (
+    "config",
+    "epoch",
+    "num_consumed",
+    "num_rounds",
+    "flushed",
+    "done",
+    "buffer",
+    "ready",
+    "counters",
+)
 
 
 class StreamingBatcher:
@@ -205,6 +218,23 @@ class StreamingBatcher:
         """
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ConfigError(f"not a StreamingBatcher state of version {STATE_VERSION}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing or not isinstance(state["config"], Mapping):
+            raise ConfigError(
+                f"a garbled StreamingBatcher state: missing {', '.join(missing) or 'a config mapping'}; "
+                "resume from an intact checkpoint, or start the stream without load_state_dict()"
+            )
+        try:
+            self._load(state)
+        except SmartBatchingError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"a garbled StreamingBatcher state ({type(exc).__name__}: {exc}); resume from an intact "
+                "checkpoint, or start the stream without load_state_dict()"
+            ) from exc
+
+    def _load(self, state: Mapping[str, Any]) -> None:
         ours = self._config()
         changed = [
             f"{k}={state['config'].get(k)!r} (now {v!r})"
