@@ -229,3 +229,39 @@ def test_garbled_resume_states_are_reported_with_their_path(tmp_path):
     state["counters"] = {"num_examples": "x"}
     with pytest.raises(ConfigError, match="a garbled StreamingBatcher state"):
         batcher.load_state_dict(state)
+
+
+GOOD = {
+    "text": {"text": "a plain sentence"},
+    "prompt_completion": {"prompt": "two plus two?", "completion": "four"},
+    "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    "alpaca": {"instruction": "add two and two", "input": "", "output": "four"},
+}
+BAD_VALUES = [None, "", "   ", 7, [], {"x": 1}, "a string", [{"content": "no role"}], [7]]
+
+
+@pytest.mark.parametrize("shape", list(GOOD))
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=repr)
+def test_every_record_shape_and_bad_field_ends_in_an_error_or_a_counted_outcome(shape, bad):
+    """For each record shape and each bad value in each of its fields: a DataError naming the record,
+    or lengths where every example has tokens, or the empty ones counted in one warning. Never a raw
+    exception, never a silent 0."""
+    import warnings
+
+    from smart_batching.data.lengths import EmptyRecordsWarning, lengths_from_records
+
+    tok = _gpt2()
+    for field in GOOD[shape]:
+        records = [dict(GOOD[shape]), {**GOOD[shape], field: bad}, dict(GOOD[shape])]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                lengths = lengths_from_records(records, tok, progress=False, format=shape)
+            except DataError as exc:
+                assert "record 2" in str(exc), (field, bad, exc)
+                continue
+        empty = [w for w in seen if issubclass(w.category, EmptyRecordsWarning)]
+        if empty:
+            assert "records 2" in str(empty[0].message)
+        else:
+            assert (lengths > 0).all(), (field, bad, lengths)

@@ -303,8 +303,17 @@ def _conversations(fmt: str, batch: Mapping[str, Sequence[Any]]) -> list[tuple[l
             out.append((msgs, len(msgs) - 1))
     else:  # prompt_completion
         p_col, c_col = next(pair for pair in PROMPT_COMPLETION_COLUMNS if set(pair) <= set(batch))
-        for prompt, completion in zip(batch[p_col], batch[c_col], strict=True):
-            if isinstance(prompt, list):  # TRL conversational prompt/completion
+        for i, (prompt, completion) in enumerate(zip(batch[p_col], batch[c_col], strict=True)):
+            if isinstance(prompt, list) or isinstance(
+                completion, list
+            ):  # TRL conversational prompt/completion
+                if not (isinstance(prompt, list | type(None)) and isinstance(completion, list | type(None))):
+                    raise BadRecordError(
+                        i, f"{p_col!r} and {c_col!r} must both be messages or both be text, not one of each"
+                    )
+                _check_messages(prompt, i)
+                _check_messages(completion, i)
+                prompt = prompt or []
                 p_msgs, c_msgs = _clean(prompt), _clean(completion or [])
                 out.append((p_msgs + c_msgs, len(p_msgs)))
             else:
