@@ -227,6 +227,22 @@ def _first_at_most(vals, lo, hi, r):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def _highest_at_most(bits, v):  # pragma: no cover - compiled
+    """Highest set bit ≤ v of a multiword bitset, word by word (0 when none: bit 0 is always set)."""
+    w = v >> 6
+    m = bits[w] & (~_U64(0) >> _U64(63 - (v & 63)))
+    while m == _U64(0) and w > 0:
+        w -= 1
+        m = bits[w]
+    if m == _U64(0):
+        return 0
+    hi = 63
+    while not (m >> _U64(hi)) & _U64(1):
+        hi -= 1
+    return w * 64 + hi
+
+
+@njit(cache=True, nogil=True)
 def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
     """Row-by-row exact filling ("minimum bin slack" by subset sum) over sizes sorted decreasing.
 
@@ -338,10 +354,7 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
                 break
             dd = _next_left(parent, dd + 1)
         # Best reachable total ≤ r.
-        t = r
-        if not found:
-            while t > 0 and not _bit(layers[nl], t):
-                t -= 1
+        t = r if found else _highest_at_most(layers[nl], r)
         # Backtrack from the last layer: take a layer only when the total is not reachable without it,
         # so the shorter sizes (added last) are used as little as possible.
         for li in range(nl - 1, -1, -1):
