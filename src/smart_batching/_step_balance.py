@@ -12,6 +12,7 @@ Python over one step's segments; the loops run only for the uneven steps.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,19 +27,37 @@ BALANCE_TOLERANCE = 1.005  # steps more uneven than this get segments moved betw
 
 def halve_units(units: list[list[int]], seg_cost: np.ndarray, group: int) -> list[list[int]] | None:
     """Split the costliest units with two or more segments in two until the count is a multiple of
-    ``group``; empty units pad the rest when nothing is left to split (fewer segments than slots)."""
+    ``group``; empty units pad the rest when nothing is left to split (fewer segments than slots).
+
+    Ties go to the unit that came first (the halves of a split unit come after all others), found
+    through a heap over (cost, order): O(splits log units), where a scan of every unit per split grew
+    with the world size (group - 1 splits at most)."""
     units = [u for u in units if u]
-    while len(units) % group:
-        splittable = [i for i, u in enumerate(units) if len(u) > 1]
-        if not splittable:
-            units += [[] for _ in range((-len(units)) % group)]
+    if not len(units) % group:
+        return units
+    lengths = np.array([len(u) for u in units], dtype=np.int64)
+    flat = np.concatenate([np.asarray(u, dtype=np.int64) for u in units])
+    unit_cost = np.add.reduceat(seg_cost[flat], np.concatenate([[0], np.cumsum(lengths)[:-1]])).tolist()
+    by_seq = dict(enumerate(units))  # creation order -> unit
+    heap = [(-int(c), i) for i, c in enumerate(unit_cost) if lengths[i] > 1]
+    heapq.heapify(heap)
+    seq = len(units)
+    count = len(units)
+    while count % group:
+        if not heap:
+            by_seq.update({seq + k: [] for k in range((-count) % group)})
             break
-        i = max(splittable, key=lambda k: int(seg_cost[units[k]].sum()))
-        unit = units.pop(i)
+        _, i = heapq.heappop(heap)
+        unit = by_seq.pop(i)
         cum = np.cumsum(seg_cost[unit])
         cut = int(np.argmin(np.abs(cum[:-1] - cum[-1] / 2))) + 1
-        units += [unit[:cut], unit[cut:]]
-    return units
+        for half, cost in ((unit[:cut], int(cum[cut - 1])), (unit[cut:], int(cum[-1] - cum[cut - 1]))):
+            by_seq[seq] = half
+            if len(half) > 1:
+                heapq.heappush(heap, (-cost, seq))
+            seq += 1
+        count += 1
+    return [by_seq[k] for k in sorted(by_seq)]
 
 
 def lpt_pieces(

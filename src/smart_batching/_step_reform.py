@@ -483,9 +483,26 @@ class Reformer:
         return steps
 
 
-def _step_finest(step: np.ndarray, unit_segs: Callable[[int], np.ndarray], seg_cost: np.ndarray) -> int:
-    """The cost of the costliest segment of a step."""
-    return max((int(seg_cost[unit_segs(int(u))].max(initial=0)) for u in step.ravel() if u >= 0), default=0)
+def unit_max_costs(
+    seg_cost: np.ndarray, order: np.ndarray, unit_start: np.ndarray, unit_end: np.ndarray
+) -> np.ndarray:
+    """(num_units,) the cost of the costliest segment of each unit ``order[unit_start:unit_end]`` (0 when
+    empty), vectorised: one reduceat over interleaved (start, end) bounds."""
+    if unit_start.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    costs = np.append(seg_cost[order], 0)  # the sentinel keeps an end bound at len(order) in range
+    bounds = np.stack([unit_start, unit_end], axis=1).reshape(-1)
+    out = np.maximum.reduceat(costs, bounds)[::2].astype(np.int64)
+    out[unit_end <= unit_start] = 0
+    return out
+
+
+def _steps_finest(assignment: np.ndarray, unit_max: np.ndarray) -> np.ndarray:
+    """(num_steps,) the cost of the costliest segment of each step (0 for a step of empty slots)."""
+    if assignment.size == 0:
+        return np.zeros(assignment.shape[0], dtype=np.int64)
+    per_slot = np.where(assignment >= 0, unit_max[np.maximum(assignment, 0)], 0)
+    return np.maximum(per_slot.reshape(assignment.shape[0], -1).max(axis=1), 0)
 
 
 def reform_uneven(
@@ -495,21 +512,26 @@ def reform_uneven(
     reformer: Reformer,
     imbalance: np.ndarray,
     max_extra_steps: int | None = 0,
+    unit_max: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[list[Load]]] | None:
     """Dissolve the uneven steps with their neighbours in cost order (1, 2, 4, ... on each side) and the
     finest steps, and form as many new steps from their segments. Only when no such result is within
     :data:`REFORM_TOLERANCE` are up to ``max_extra_steps`` more steps allowed (None: as many as it takes) (a long example alone in a
     token budget leaves its step light, so the others may not hold the rest). The first result within
-    tolerance wins, else the most even one that beats the old steps. Returns (dissolved steps, new
-    steps) or None."""
+    tolerance wins, else the most even one that beats the old steps. ``unit_max``: (num_units,) the
+    costliest segment of each unit (:func:`unit_max_costs`), computed from ``unit_segs`` when None.
+    Returns (dissolved steps, new steps) or None."""
     num_steps = assignment.shape[0]
     pos = np.searchsorted(uneven, np.arange(num_steps))
     left = np.abs(np.arange(num_steps) - uneven[np.clip(pos - 1, 0, uneven.shape[0] - 1)])
     right = np.abs(np.arange(num_steps) - uneven[np.clip(pos, 0, uneven.shape[0] - 1)])
     distance = np.minimum(left, right)  # (num_steps,) steps to the nearest uneven one
-    finest = np.argsort(
-        [_step_finest(assignment[s], unit_segs, reformer.seg_cost) for s in range(num_steps)], kind="stable"
-    )
+    if unit_max is None:  # (num_units,) costliest segment of each unit
+        num_units = int(assignment.max(initial=-1)) + 1
+        unit_max = np.array(
+            [int(reformer.seg_cost[unit_segs(u)].max(initial=0)) for u in range(num_units)], dtype=np.int64
+        )
+    finest = np.argsort(_steps_finest(assignment, unit_max), kind="stable")
     best: tuple[np.ndarray, list[list[Load]]] | None = None
     best_score = float(imbalance[uneven].max())
     for extra in sorted({0, num_steps if max_extra_steps is None else max_extra_steps}):

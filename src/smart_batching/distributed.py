@@ -55,7 +55,7 @@ from smart_batching._step_balance import (
     lpt_pieces,
     repartition_step,
 )
-from smart_batching._step_reform import REFORM_TOLERANCE, Reformer, reform_uneven
+from smart_batching._step_reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
 
@@ -322,6 +322,7 @@ def distribute(
                 reformer,
                 imbalance,
                 max_extra_steps,
+                unit_max_costs(seg_cost, order, unit_start, unit_end),
             )
             if found is not None:
                 dissolved, new_steps = found
