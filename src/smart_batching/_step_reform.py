@@ -16,6 +16,7 @@ Python over a few steps' segments; the loops run only for the uneven steps.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -32,6 +33,11 @@ FILL_RETRIES = 4  # first picks tried for a rank that greedy best fit leaves sho
 MAX_REFORM_SEGMENTS = 100_000  # the most segments dissolved per attempt series to even out uneven steps
 GIVE_UP_LEVELS = 3  # pool sizes tried in a row without a more even result before giving up ...
 GIVE_UP_SEGMENTS = 20_000  # ... once this many segments have been dissolved
+
+
+def heap_cost(load: Load) -> int:
+    """A load's cost, as a heap of loads keys it."""
+    return sum(mb.cost for mb in load)
 
 
 class _Pool:
@@ -385,6 +391,22 @@ class Reformer:
         self._add(mb, seg)
         return True
 
+    def _first_placed(self, heap: list[tuple[int, int]], loads: list[Load], seg: int) -> int | None:
+        """Place ``seg`` in the first load in (cost, index) order that takes it (:meth:`_place`) and pop
+        that load off ``heap``; the loads tried before it go back. O(log loads) where the cheapest load
+        takes it: sorting all loads for every segment grew with the world size."""
+        held = []
+        chosen = None
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._place(loads[entry[1]], seg):
+                chosen = entry[1]
+                break
+            held.append(entry)
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return chosen
+
     def _deal_chunks(self, segs: list[int], num_steps: int) -> list[list[Load]] | None:
         """Consecutive runs (in cost order) of equal cost, one per micro-batch: the least padding."""
         num_mb = num_steps * self.world_size * self.accum_steps
@@ -412,15 +434,12 @@ class Reformer:
 
     def _deal_plain(self, segs: list[int], num_steps: int) -> list[list[Load]] | None:
         loads = [self._new_load() for _ in range(num_steps * self.world_size)]
-        cost = [0] * len(loads)
+        heap = [(0, k) for k in range(len(loads))]  # (cost, load): a heap already
         for seg in segs:
-            k = next(
-                (k for k in sorted(range(len(loads)), key=cost.__getitem__) if self._place(loads[k], seg)),
-                None,
-            )
+            k = self._first_placed(heap, loads, seg)
             if k is None:
                 return None
-            cost[k] += int(self.seg_cost[seg])
+            heapq.heappush(heap, (heap_cost(loads[k]), k))
         if any(not mb.segs for load in loads for mb in load):
             return None
         self._balance_in_step(loads, rounds=self.rounds * num_steps)  # all these ranks alike
@@ -430,14 +449,15 @@ class Reformer:
     def _deal_lpt(self, segs: list[int], counts: list[int]) -> list[Load] | None:
         """Deal ``segs`` (costliest first) to loads of exactly ``counts`` segments, lightest first."""
         loads = [self._new_load() for _ in counts]
-        cost, left = [0] * len(counts), list(counts)
+        left = list(counts)
+        heap = [(0, k) for k in range(len(loads)) if left[k]]  # (cost, load): a heap already
         for seg in segs:
-            order = sorted((k for k in range(len(loads)) if left[k]), key=cost.__getitem__)
-            k = next((k for k in order if self._place(loads[k], seg)), None)
+            k = self._first_placed(heap, loads, seg)
             if k is None:
                 return None
-            cost[k] += int(self.seg_cost[seg])
             left[k] -= 1
+            if left[k]:
+                heapq.heappush(heap, (heap_cost(loads[k]), k))
         return None if any(not mb.segs for load in loads for mb in load) else loads
 
     def _deal_by_count(self, segs: list[int], num_steps: int) -> list[list[Load]] | None:
