@@ -6,8 +6,9 @@
   (rows × longest) and ``max_batch_size``, or batch size plus one eighth for fixed-size batches.
 - Steps these leave uneven are formed again by :mod:`._step_reform`.
 
-Every segment stays in exactly one micro-batch and no micro-batch is left empty. Pure NumPy and
-Python over one step's segments; the loops run only for the uneven steps.
+Every segment stays in exactly one micro-batch and no micro-batch is left empty. NumPy, a compiled
+deal (ranks in a heap by load: O(segments x log ranks)) and Python over one step's segments; the loops
+run only for the uneven steps.
 """
 
 from __future__ import annotations
