@@ -30,8 +30,16 @@ Two measurements per method, side by side in one run:
      step time (idle plus the transfer itself).
    - ``wall_tokens_per_s``: real tokens of the timed steps, all ranks, per second of wall time.
 
+3. **Scale** (``--scale``, instead of the two above): planning time and imbalance of ``distribute()``
+   alone at simulated cluster sizes (world sizes 8 to 4,096, ``--scale-accum`` micro-batches per rank,
+   default 4), plans only, no processes: ``--scale-n`` lengths (default 1M) resampled with a fixed seed
+   from each dataset, packed at ``--capacity``. ``distribute_seconds`` is one call (after a compile
+   warm-up), so its growth with the world size shows directly.
+
 Usage::
 
+    python benchmarks/distributed_balance.py --scale              # world sizes 8-4,096, 1M lengths
+    python benchmarks/distributed_balance.py --scale --scale-n 10000000 --scale-worlds 1024
     python benchmarks/distributed_balance.py                      # both, table (about 2 min on 2 cores)
     python benchmarks/distributed_balance.py --json               # one JSON record per method per line
     python benchmarks/distributed_balance.py --no-wall --world-size 4
@@ -301,6 +309,49 @@ def wall_run(methods: list[tuple], world: int, accum: int, num_steps: int) -> di
     return metrics
 
 
+SCALE_WORLDS = "8,16,32,64,128,256,512,1024,2048,4096"
+
+
+def scale_run(
+    lengths: np.ndarray, name: str, n: int, worlds: list[int], accum: int, capacity: int
+) -> list[dict]:
+    """``distribute()`` of one packed plan of ``n`` resampled lengths at each world size: seconds, imbalance."""
+    rng = np.random.default_rng(0)
+    resampled = np.minimum(rng.choice(lengths, size=n, replace=True), capacity).astype(np.int64)  # (n,)
+    warm = sb.plan_batches(resampled[:5000], "packed", capacity=capacity)
+    distribute(warm, 8, accum_steps=accum)  # compile warm-up
+    t = time.perf_counter()
+    plan = sb.plan_batches(resampled, "packed", capacity=capacity, seed=0)
+    plan_seconds = time.perf_counter() - t
+    records = []
+    for world in worlds:
+        t = time.perf_counter()
+        d = distribute(plan, world, accum_steps=accum)
+        seconds = time.perf_counter() - t
+        imb = d.step_imbalance
+        records.append(
+            {
+                "section": "scale",
+                "strategy": "ours packed",
+                "dataset": name,
+                "n": n,
+                "world_size": world,
+                "accum_steps": accum,
+                "capacity": capacity,
+                "num_micro_batches": len(plan),
+                "num_steps": d.num_steps,
+                "num_empty_slots": d.num_empty_slots,
+                "max_step_imbalance": float(imb.max()) if imb.size else 1.0,
+                "p99_step_imbalance": float(np.quantile(imb, 0.99)) if imb.size else 1.0,
+                "plan_seconds": plan_seconds,
+                "distribute_seconds": seconds,
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            }
+        )
+        print(f"{name} world {world}: {seconds:.3f} s", file=sys.stderr, flush=True)
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
@@ -317,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--wall-world-size", type=int, default=2, help="processes of the wall-time run")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--scale", action="store_true", help="distribute() alone at simulated world sizes")
+    ap.add_argument("--scale-n", type=int, default=1_000_000, help="resampled lengths of the scale run")
+    ap.add_argument("--scale-worlds", default=SCALE_WORLDS, help="world sizes of the scale run")
+    ap.add_argument("--scale-accum", type=int, default=4, help="micro-batches per rank per step (scale run)")
     args = ap.parse_args(argv)
+    if args.scale:
+        return scale_main(args)
     world, accum, bs = args.world_size, args.accum, args.batch_size
     records = []
     for name in args.datasets.split(","):
@@ -373,6 +430,36 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['wall_tokens_per_s']:>7.0f}"
             )
         print(line)
+    return 0
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    worlds = [int(w) for w in args.scale_worlds.split(",")]
+    records = []
+    for name in args.datasets.split(","):
+        if DATA.exists():
+            lengths = load_lengths(name)
+        else:
+            lengths = np.clip(np.random.default_rng(0).lognormal(5, 0.6, 7000), 8, 4000).astype(np.int64)
+            name = f"{name}(lognormal: shared data absent)"
+        records += scale_run(lengths, name, args.scale_n, worlds, args.scale_accum, args.capacity)
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+        return 0
+    r0 = records[0]
+    print(
+        f"distribute() at simulated scale: {args.scale_n:,} lengths resampled per dataset, packed at capacity "
+        f"{args.capacity}, accum {args.scale_accum}; plans only, no processes; {r0['machine']}"
+    )
+    head = f"{'dataset':<8} {'world':>6} {'steps':>6} {'empty':>6} {'max imb':>8} {'p99 imb':>8} {'distribute s':>13}"
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        print(
+            f"{r['dataset'][:8]:<8} {r['world_size']:>6} {r['num_steps']:>6} {r['num_empty_slots']:>6} "
+            f"{r['max_step_imbalance']:>8.4f} {r['p99_step_imbalance']:>8.4f} {r['distribute_seconds']:>13.3f}"
+        )
     return 0
 
 

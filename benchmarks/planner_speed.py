@@ -17,6 +17,11 @@ Three sections, all on the same lengths:
   at 10M), so it runs on the first ``--anchor-n`` lengths (default 1M), next to our ``packed`` on
   the same subset; its time scaled linearly to ``--n`` is reported as such, not as a measurement.
   TRL packs within ``Dataset.map`` batches of 1,000 examples, as ``SFTTrainer`` calls it.
+* ``long_context``: ``packed`` with ``algorithm="auto"`` and ``"bfd"`` side by side at capacities 8,192
+  to 262,143 on ``--long-n`` heavy-tailed lengths (lognormal, median 4,000 tokens, sigma 1; examples
+  over the capacity truncated): best of ``--repeat`` seconds, rows over the lower bound, and the time
+  ratio auto / bfd (target: ≤ 1 s and ≤ 1.005 x the bound at 32,768 on 50k lengths, ≤ 10x bfd at
+  every capacity). ``--long-context`` runs this section alone.
 * ``fill``: rows and efficiency at capacity 2048 on the real GSM8K lengths (7,473 examples): ours
   (``auto`` and plain ``bfd``), TRL's BFD (map batches of 1,000, and one batch of everything) and the
   lower bound ``max(ceil(total / capacity), #examples > capacity / 2)``.
@@ -26,6 +31,7 @@ Usage::
     python benchmarks/planner_speed.py                 # table, 10M lengths (about 2 minutes on 2 cores)
     python benchmarks/planner_speed.py --quick         # 200k lengths, TRL on 50k (well under a minute)
     python benchmarks/planner_speed.py --json          # one JSON record per line
+    python benchmarks/planner_speed.py --long-context  # long-context capacities only (seconds)
 """
 
 from __future__ import annotations
@@ -270,6 +276,64 @@ def fill_comparison(lengths: np.ndarray, capacity: int, source: str, *, with_trl
     return recs
 
 
+LONG_CAPACITIES = (8192, 16384, 32768, 65536, 131072, 262143)
+
+
+def long_context(n: int, repeat: int, seed: int) -> list[dict]:
+    """``packed`` auto against bfd at long-context capacities on heavy-tailed lengths (best of ``repeat``)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.maximum(rng.lognormal(np.log(4000), 1.0, n), 1).astype(np.int64)  # (n,)
+    plan_batches(lengths[:1000], "packed", capacity=8192, overlong="truncate")  # compile warm-up
+    records = []
+    for capacity in LONG_CAPACITIES:
+        by_algorithm = {}
+        for algorithm in ("auto", "bfd"):
+            best = float("inf")
+            for _ in range(repeat):
+                t = time.perf_counter()
+                plan = plan_batches(
+                    lengths, "packed", capacity=capacity, algorithm=algorithm, overlong="truncate"
+                )
+                best = min(best, time.perf_counter() - t)
+            s = plan.stats()
+            by_algorithm[algorithm] = {
+                "section": "long_context",
+                "strategy": f"packed[{algorithm}]",
+                "n": n,
+                "capacity": capacity,
+                "seconds": best,
+                "efficiency": s.efficiency,
+                "num_rows": s.num_rows,
+                "lower_bound_rows": s.lower_bound_rows,
+                "rows_over_lower_bound": s.rows_over_lower_bound,
+                "data": "lognormal (median 4000, sigma 1), truncated at the capacity",
+            }
+        auto, bfd = by_algorithm["auto"], by_algorithm["bfd"]
+        auto["seconds_over_bfd"] = auto["seconds"] / bfd["seconds"]
+        auto["ratio_note"] = f"{auto['seconds_over_bfd']:.1f}x bfd's time"
+        records += [auto, bfd]
+        log(f"long context {capacity}: auto {auto['seconds']:.4f} s, bfd {bfd['seconds']:.4f} s")
+    return records
+
+
+def format_long_context(records: list[dict]) -> str:
+    lines = [
+        f"{'capacity':>8}  {'auto s':>8}  {'bfd s':>8}  {'auto/bfd':>8}  {'auto rows/LB':>12}  {'bfd rows/LB':>11}",
+    ]
+    for capacity in LONG_CAPACITIES:
+        rec = {
+            r["strategy"]: r for r in records if r["section"] == "long_context" and r["capacity"] == capacity
+        }
+        if not rec:
+            continue
+        a, b = rec["packed[auto]"], rec["packed[bfd]"]
+        lines.append(
+            f"{capacity:>8}  {a['seconds']:>8.4f}  {b['seconds']:>8.4f}  {a['seconds_over_bfd']:>7.1f}x"
+            f"  {a['rows_over_lower_bound']:>12.5f}  {b['rows_over_lower_bound']:>11.5f}"
+        )
+    return "\n".join(lines)
+
+
 def env_info() -> dict[str, Any]:
     info = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -352,7 +416,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
     parser.add_argument("--quick", action="store_true", help="n=200k, TRL on 50k, 2 repeats (CI-sized)")
     parser.add_argument("--json", action="store_true", help="print one JSON record per line")
+    parser.add_argument(
+        "--long-n", type=int, default=50_000, help="heavy-tailed lengths of the long-context section (50k)"
+    )
+    parser.add_argument("--long-context", action="store_true", help="run the long-context section alone")
     args = parser.parse_args(argv)
+    if args.long_context:
+        records = long_context(args.long_n, args.repeat, args.seed)
+        env = env_info()
+        if args.json:
+            for r in records:
+                print(json.dumps({**r, "env": env}))
+            return 0
+        print(
+            f"packed, {args.long_n:,} heavy-tailed lengths (lognormal, median 4,000, sigma 1), best of {args.repeat}"
+        )
+        print(
+            f"machine: {env['machine']}, {env['cpus']} CPUs (load {env['load_avg_1m']}); numba {env['numba']}"
+        )
+        print(format_long_context(records))
+        return 0
     if args.quick:
         args.n, args.anchor_n, args.repeat = 200_000, 50_000, 2
     for name in ("n", "capacity", "batch_size", "anchor_n", "fill_capacity", "repeat"):
@@ -404,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"trl bfd (n={anchor_n:,}): {trl['seconds']:.3f} s; ours packed {mine['seconds']:.3f} s")
 
     records += fill_comparison(real, args.fill_capacity, source, with_trl=not args.no_anchors)
+    records += long_context(args.long_n, args.repeat, args.seed)
 
     env = env_info()
     for r in records:
@@ -424,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
             f"numba {env['numba']}, transformers {env['transformers']}, trl {env['trl']}"
         )
         print(format_table(records))
+        print("long context (packed auto against bfd, side by side):")
+        print(format_long_context(records))
         print(
             f"(total {time.perf_counter() - t0:.0f} s; seconds are best of {args.repeat} for ours, one run "
             "for the anchors; peak B/ex: tracemalloc peak while planning, per example)"

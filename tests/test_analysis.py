@@ -227,3 +227,17 @@ def test_plot_analysis_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     with pytest.raises(DataError):
         plot_analysis([], recs, tmp_path / "b.png")
+
+
+def test_default_capacity_respects_the_packed_limit():
+    # Long-context lengths: batch size x p95 is far over what the packed planner takes; the derived
+    # default must not ask for it (it failed with "capacity= must be at most 262143").
+    from smart_batching.planners.packed import MAX_CAPACITY
+
+    lengths = np.full(40, 100_000, dtype=np.int64)
+    recs = analyze(lengths, strategies=["packed", "token_budget"])
+    settings = recs[0]["settings"]
+    assert settings["max_tokens"] > MAX_CAPACITY
+    assert settings["capacity"] == MAX_CAPACITY
+    packed = {r["strategy"]: r for r in recs}["packed"]
+    assert packed["num_over_limit"] == 0 and packed["num_rows"] == 20  # two examples per row

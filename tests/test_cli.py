@@ -259,3 +259,11 @@ def test_planner_speed_quick_json():
         assert r["seconds"] is None or r["seconds"] >= 0
     speed = [r for r in records if r["section"] == "speed"]
     assert all(r["n"] == 200_000 and r["peak_bytes_per_example"] > 0 for r in speed)
+
+
+def test_analyze_long_context_defaults_stay_within_the_planner(tmp_path, capsys):
+    path = tmp_path / "long.npy"
+    np.save(path, np.random.default_rng(0).integers(50_000, 120_000, 30).astype(np.int64))
+    code, out, err = _run(["analyze", str(path)], capsys)
+    assert code == 0, err
+    assert "capacity=262143 (max_tokens, capped at the packed planner's limit)" in out

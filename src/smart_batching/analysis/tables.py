@@ -12,7 +12,8 @@ Shared settings, so the rows compare like with like:
 * ``max_tokens`` padded tokens per batch for ``token_budget``; by default ``batch_size`` times the
   95th-percentile length, rounded up to a multiple of 64, so a token-budget batch costs about what a
   typical fixed-size batch does;
-* ``capacity`` tokens per packed row for ``packed`` (one row per batch); by default ``max_tokens``;
+* ``capacity`` tokens per packed row for ``packed`` (one row per batch); by default ``max_tokens``, at
+  most the planner's own limit (262,143 tokens), so a default never asks for what the planner refuses;
 * one per-example limit, ``min(max_tokens, capacity)`` tokens, for every strategy, with the same
   ``overlong`` policy. Examples over it are truncated, split or dropped, never silently: every
   record carries ``num_over_limit``, ``num_truncated``, ``num_split`` and ``num_dropped``.
@@ -36,6 +37,7 @@ from smart_batching.planners import (
     Knobs,
     analysis_rows,
     make_spec,
+    option_limit,
     parse_strategy,
     plan_batches,
     spec_class,
@@ -112,7 +114,8 @@ def analyze(
         batch_size: examples per batch for ``random``, ``max_length`` and ``group_by_length``.
         max_tokens: padded tokens per ``token_budget`` batch; None means ``batch_size`` × p95 length,
             rounded up to a multiple of 64.
-        capacity: tokens per ``packed`` row; None means ``max_tokens``.
+        capacity: tokens per ``packed`` row; None means ``max_tokens``, at most the packed planner's
+            limit (:func:`~smart_batching.planners.option_limit`).
         strategies: row names (see the module docstring); None means :data:`DEFAULT_STRATEGIES`.
         seed: seed of every plan (epoch 0).
         overlong: policy for examples over ``min(max_tokens, capacity)`` tokens: ``"truncate"``,
@@ -152,7 +155,8 @@ def analyze(
     parsed = [parse_strategy(name) for name in names]
 
     max_tokens = default_max_tokens(arr, batch_size) if max_tokens is None else int(max_tokens)
-    capacity = max_tokens if capacity is None else int(capacity)
+    most = option_limit("capacity")  # the packed planner's limit: a default must respect it
+    capacity = (max_tokens if most is None else min(max_tokens, most)) if capacity is None else int(capacity)
     limit = min(max_tokens, capacity)
     top = int(arr.max())
     num_over = int(np.count_nonzero(arr > limit))

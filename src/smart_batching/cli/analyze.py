@@ -107,7 +107,7 @@ def add_analysis_options(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="tokens per packed row (default: --max-tokens)",
+        help="tokens per packed row (default: --max-tokens, at most 262,143, the packed planner's limit)",
     )
     g.add_argument(
         "--overlong",
@@ -226,13 +226,21 @@ def run_analysis(loaded: LoadedLengths, args: argparse.Namespace) -> list[dict[s
     )
 
 
-def header(loaded: LoadedLengths, records: list[dict[str, Any]], *, max_tokens_given: bool) -> str:
+def header(
+    loaded: LoadedLengths,
+    records: list[dict[str, Any]],
+    *,
+    max_tokens_given: bool,
+    capacity_given: bool = False,
+) -> str:
     """The lines printed above the table."""
     from smart_batching.analysis import length_summary
 
     s = length_summary(loaded.lengths)
     st = records[0]["settings"]
     how = "" if max_tokens_given else f" (batch size x p95 {s['p95']:.0f}, rounded up to 64)"
+    capped = st["capacity"] < st["max_tokens"] and not capacity_given
+    cap_how = " (max_tokens, capped at the packed planner's limit)" if capped else ""
     lines = [
         f"dataset:    {loaded.dataset}",
         f"examples:   {s['n']:,}",
@@ -240,7 +248,7 @@ def header(loaded: LoadedLengths, records: list[dict[str, Any]], *, max_tokens_g
         f"lengths:    {s['total']:,} tokens; mean {s['mean']:.1f}, p50 {s['p50']:.0f}, p90 {s['p90']:.0f}, "
         f"p99 {s['p99']:.0f}, max {s['max']:,}",
         f"settings:   batch_size={st['batch_size']}, max_tokens={st['max_tokens']}{how}, "
-        f"capacity={st['capacity']}, overlong={st['overlong']}, seed={st['seed']}",
+        f"capacity={st['capacity']}{cap_how}, overlong={st['overlong']}, seed={st['seed']}",
     ]
     num_over = max(r["num_over_limit"] for r in records)
     if num_over:
@@ -254,7 +262,14 @@ def header(loaded: LoadedLengths, records: list[dict[str, Any]], *, max_tokens_g
 def print_report(loaded: LoadedLengths, records: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from smart_batching.analysis import format_table
 
-    print(header(loaded, records, max_tokens_given=args.max_tokens is not None))
+    print(
+        header(
+            loaded,
+            records,
+            max_tokens_given=args.max_tokens is not None,
+            capacity_given=args.capacity is not None,
+        )
+    )
     print()
     print(format_table(records))
 

@@ -16,6 +16,7 @@ Python over a few steps' segments; the loops run only for the uneven steps.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -34,6 +35,11 @@ from smart_batching.distributed._tuning import (
     REFORM_TOLERANCE,
     TAIL_STEPS,
 )
+
+
+def heap_cost(load: Load) -> int:
+    """A load's cost, as a heap of loads keys it."""
+    return sum(mb.cost for mb in load)
 
 
 class _Pool:
@@ -387,6 +393,22 @@ class Reformer:
         self._add(mb, seg)
         return True
 
+    def _first_placed(self, heap: list[tuple[int, int]], loads: list[Load], seg: int) -> int | None:
+        """Place ``seg`` in the first load in (cost, index) order that takes it (:meth:`_place`) and pop
+        that load off ``heap``; the loads tried before it go back. O(log loads) where the cheapest load
+        takes it: sorting all loads for every segment grew with the world size."""
+        held = []
+        chosen = None
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._place(loads[entry[1]], seg):
+                chosen = entry[1]
+                break
+            held.append(entry)
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return chosen
+
     def _deal_chunks(self, segs: list[int], num_steps: int) -> list[list[Load]] | None:
         """Consecutive runs (in cost order) of equal cost, one per micro-batch: the least padding."""
         num_mb = num_steps * self.world_size * self.accum_steps
@@ -414,15 +436,12 @@ class Reformer:
 
     def _deal_plain(self, segs: list[int], num_steps: int) -> list[list[Load]] | None:
         loads = [self._new_load() for _ in range(num_steps * self.world_size)]
-        cost = [0] * len(loads)
+        heap = [(0, k) for k in range(len(loads))]  # (cost, load): a heap already
         for seg in segs:
-            k = next(
-                (k for k in sorted(range(len(loads)), key=cost.__getitem__) if self._place(loads[k], seg)),
-                None,
-            )
+            k = self._first_placed(heap, loads, seg)
             if k is None:
                 return None
-            cost[k] += int(self.seg_cost[seg])
+            heapq.heappush(heap, (heap_cost(loads[k]), k))
         if any(not mb.segs for load in loads for mb in load):
             return None
         self._balance_in_step(loads, rounds=self.rounds * num_steps)  # all these ranks alike
@@ -432,14 +451,15 @@ class Reformer:
     def _deal_lpt(self, segs: list[int], counts: list[int]) -> list[Load] | None:
         """Deal ``segs`` (costliest first) to loads of exactly ``counts`` segments, lightest first."""
         loads = [self._new_load() for _ in counts]
-        cost, left = [0] * len(counts), list(counts)
+        left = list(counts)
+        heap = [(0, k) for k in range(len(loads)) if left[k]]  # (cost, load): a heap already
         for seg in segs:
-            order = sorted((k for k in range(len(loads)) if left[k]), key=cost.__getitem__)
-            k = next((k for k in order if self._place(loads[k], seg)), None)
+            k = self._first_placed(heap, loads, seg)
             if k is None:
                 return None
-            cost[k] += int(self.seg_cost[seg])
             left[k] -= 1
+            if left[k]:
+                heapq.heappush(heap, (heap_cost(loads[k]), k))
         return None if any(not mb.segs for load in loads for mb in load) else loads
 
     def _deal_by_count(self, segs: list[int], num_steps: int) -> list[list[Load]] | None:
@@ -485,9 +505,26 @@ class Reformer:
         return steps
 
 
-def _step_finest(step: np.ndarray, unit_segs: Callable[[int], np.ndarray], seg_cost: np.ndarray) -> int:
-    """The cost of the costliest segment of a step."""
-    return max((int(seg_cost[unit_segs(int(u))].max(initial=0)) for u in step.ravel() if u >= 0), default=0)
+def unit_max_costs(
+    seg_cost: np.ndarray, order: np.ndarray, unit_start: np.ndarray, unit_end: np.ndarray
+) -> np.ndarray:
+    """(num_units,) the cost of the costliest segment of each unit ``order[unit_start:unit_end]`` (0 when
+    empty), vectorised: one reduceat over interleaved (start, end) bounds."""
+    if unit_start.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    costs = np.append(seg_cost[order], 0)  # the sentinel keeps an end bound at len(order) in range
+    bounds = np.stack([unit_start, unit_end], axis=1).reshape(-1)
+    out = np.maximum.reduceat(costs, bounds)[::2].astype(np.int64)
+    out[unit_end <= unit_start] = 0
+    return out
+
+
+def _steps_finest(assignment: np.ndarray, unit_max: np.ndarray) -> np.ndarray:
+    """(num_steps,) the cost of the costliest segment of each step (0 for a step of empty slots)."""
+    if assignment.size == 0:
+        return np.zeros(assignment.shape[0], dtype=np.int64)
+    per_slot = np.where(assignment >= 0, unit_max[np.maximum(assignment, 0)], 0)
+    return np.maximum(per_slot.reshape(assignment.shape[0], -1).max(axis=1), 0)
 
 
 def reform_uneven(
@@ -497,21 +534,26 @@ def reform_uneven(
     reformer: Reformer,
     imbalance: np.ndarray,
     max_extra_steps: int | None = 0,
+    unit_max: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[list[Load]]] | None:
     """Dissolve the uneven steps with their neighbours in cost order (1, 2, 4, ... on each side) and the
     finest steps, and form as many new steps from their segments. Only when no such result is within
     :data:`REFORM_TOLERANCE` are up to ``max_extra_steps`` more steps allowed (None: as many as it takes) (a long example alone in a
     token budget leaves its step light, so the others may not hold the rest). The first result within
-    tolerance wins, else the most even one that beats the old steps. Returns (dissolved steps, new
-    steps) or None."""
+    tolerance wins, else the most even one that beats the old steps. ``unit_max``: (num_units,) the
+    costliest segment of each unit (:func:`unit_max_costs`), computed from ``unit_segs`` when None.
+    Returns (dissolved steps, new steps) or None."""
     num_steps = assignment.shape[0]
     pos = np.searchsorted(uneven, np.arange(num_steps))
     left = np.abs(np.arange(num_steps) - uneven[np.clip(pos - 1, 0, uneven.shape[0] - 1)])
     right = np.abs(np.arange(num_steps) - uneven[np.clip(pos, 0, uneven.shape[0] - 1)])
     distance = np.minimum(left, right)  # (num_steps,) steps to the nearest uneven one
-    finest = np.argsort(
-        [_step_finest(assignment[s], unit_segs, reformer.seg_cost) for s in range(num_steps)], kind="stable"
-    )
+    if unit_max is None:  # (num_units,) costliest segment of each unit
+        num_units = int(assignment.max(initial=-1)) + 1
+        unit_max = np.array(
+            [int(reformer.seg_cost[unit_segs(u)].max(initial=0)) for u in range(num_units)], dtype=np.int64
+        )
+    finest = np.argsort(_steps_finest(assignment, unit_max), kind="stable")
     best: tuple[np.ndarray, list[list[Load]]] | None = None
     best_score = float(imbalance[uneven].max())
     for extra in sorted({0, num_steps if max_extra_steps is None else max_extra_steps}):

@@ -112,6 +112,13 @@ def parse_strategy(name: str) -> tuple[str, dict[str, Any]]:
     return base, {field: variant}
 
 
+def option_limit(option: str) -> int | None:
+    """The largest value every registered strategy that limits ``option`` accepts (e.g. ``"capacity"``:
+    the packed planner's 262,143); None when no strategy limits it. Defaults derived from data use it."""
+    limits = [cls.option_limits[option] for cls, _ in REGISTRY.values() if option in cls.option_limits]
+    return min(limits) if limits else None
+
+
 def analysis_rows() -> tuple[str, ...]:
     """The rows ``analyze`` shows by default: each strategy, then its ``name[variant]`` rows."""
     return tuple(
@@ -206,6 +213,7 @@ __all__ = [
     "Tuning",
     "UnitLimits",
     "analysis_rows",
+    "option_limit",
     "parse_strategy",
     "spec_class",
     "strategy_names",

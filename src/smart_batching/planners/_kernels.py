@@ -205,6 +205,44 @@ def _bit(bits, v):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def _next_left(parent, d):  # pragma: no cover - compiled
+    """First distinct size at index ≥ d with items left (``nd`` when none): union-find with path halving
+    over exhausted sizes, each pointing past itself."""
+    while parent[d] != d:
+        parent[d] = parent[parent[d]]
+        d = parent[d]
+    return d
+
+
+@njit(cache=True, nogil=True)
+def _first_at_most(vals, lo, hi, r):  # pragma: no cover - compiled
+    """First index in [lo, hi) with vals[i] ≤ r over descending vals (hi when none): binary search."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if vals[mid] > r:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _highest_at_most(bits, v):  # pragma: no cover - compiled
+    """Highest set bit ≤ v of a multiword bitset, word by word (0 when none: bit 0 is always set)."""
+    w = v >> 6
+    m = bits[w] & (~_U64(0) >> _U64(63 - (v & 63)))
+    while m == _U64(0) and w > 0:
+        w -= 1
+        m = bits[w]
+    if m == _U64(0):
+        return 0
+    hi = 63
+    while not (m >> _U64(hi)) & _U64(1):
+        hi -= 1
+    return w * 64 + hi
+
+
+@njit(cache=True, nogil=True)
 def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
     """Row-by-row exact filling ("minimum bin slack" by subset sum) over sizes sorted decreasing.
 
@@ -213,6 +251,10 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
     adding sizes from the longest down and stopping as soon as the row can be filled exactly, so a row
     costs a few word operations per distinct size. Preferring long examples keeps the short ones for
     the last rows, where they close the gaps. Zero-length items go to the first row.
+
+    Distinct sizes that fit a gap are found by binary search and those with no item left are skipped
+    through a union-find, so a row costs O(log d) plus its subset sum, not O(d) over all d distinct
+    sizes; the subset-sum layers grow on demand (memory O(layers used × gap / 64 words)).
 
     Returns:
         (row_of, num_rows) as :func:`best_fit_decreasing`.
@@ -239,7 +281,8 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
     while (1 << log_cap) <= capacity:
         log_cap += 1
     max_layers = nd * log_cap + 1  # binary splitting gives each size at most log2(capacity) + 1 layers
-    layers = np.zeros((max_layers, nwords), dtype=np.uint64)
+    num_layers = min(max_layers, 64)
+    layers = np.zeros((num_layers, nwords), dtype=np.uint64)
     layer_size = np.empty(max_layers, dtype=np.int64)  # distinct-size index of each layer
     layer_copies = np.empty(max_layers, dtype=np.int64)  # copies of that size the layer adds
     num_rows = 0
@@ -250,24 +293,27 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
         zero_items = run_end[nd - 1] - nxt_item[nd - 1]
         left -= zero_items
         nd -= 1  # zero-length items are placed at the end
+    parent = np.arange(nd + 1)  # parent[d] == d while size d has items left; nd is the sentinel
     while left > 0:
-        while nxt_item[top] == run_end[top]:
-            top += 1
+        top = _next_left(parent, top)
         row = num_rows
         num_rows += 1
         row_of[nxt_item[top]] = row
         nxt_item[top] += 1
+        if nxt_item[top] == run_end[top]:
+            parent[top] = top + 1
         left -= 1
         r = capacity - vals[top]
         # Greedy: longest example that fits, while the gap is wider than the exact-fill window.
         dd = top
         while r > window and left > 0:
-            while dd < nd and (vals[dd] > r or nxt_item[dd] == run_end[dd]):
-                dd += 1
+            dd = _next_left(parent, _first_at_most(vals, dd, nd, r))
             if dd == nd:
                 break
             row_of[nxt_item[dd]] = row
             nxt_item[dd] += 1
+            if nxt_item[dd] == run_end[dd]:
+                parent[dd] = dd + 1
             left -= 1
             r -= vals[dd]
         nw = (r + 64) // 64  # words that hold bits 0..r
@@ -278,19 +324,23 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
         layers[0, 0] = _U64(1)
         nl = 0
         found = False
-        for dd in range(top, nd):
+        dd = _next_left(parent, _first_at_most(vals, top, nd, r))
+        while dd < nd:
             avail = run_end[dd] - nxt_item[dd]
             v = vals[dd]
-            if avail == 0 or v > r:
-                continue
             k = min(avail, r // v)
             piece = 1
             while k > 0 and not found:
                 p = piece if piece < k else k
                 k -= p
                 piece *= 2
-                if nl + 1 >= layers.shape[0]:
-                    break
+                if nl + 1 >= num_layers:
+                    if num_layers >= max_layers:
+                        break
+                    num_layers = min(max_layers, 2 * num_layers)
+                    grown = np.zeros((num_layers, nwords), dtype=np.uint64)
+                    grown[: nl + 1] = layers[: nl + 1]
+                    layers = grown
                 cur = layers[nl + 1]
                 for w in range(nw):
                     cur[w] = layers[nl, w]
@@ -302,11 +352,9 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
                     found = True
             if found:
                 break
+            dd = _next_left(parent, dd + 1)
         # Best reachable total ≤ r.
-        t = r
-        if not found:
-            while t > 0 and not _bit(layers[nl], t):
-                t -= 1
+        t = r if found else _highest_at_most(layers[nl], r)
         # Backtrack from the last layer: take a layer only when the total is not reachable without it,
         # so the shorter sizes (added last) are used as little as possible.
         for li in range(nl - 1, -1, -1):
@@ -319,6 +367,8 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
             for _k in range(c):
                 row_of[nxt_item[dd]] = row
                 nxt_item[dd] += 1
+            if nxt_item[dd] == run_end[dd]:
+                parent[dd] = dd + 1
             left -= c
             t -= c * vals[dd]
     if zero_items and num_rows == 0:

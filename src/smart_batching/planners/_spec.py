@@ -15,6 +15,7 @@ per-example token limit     ``spec.token_limit()`` -> ``(tokens or None, setting
 limits after balancing      ``spec.unit_limits()`` (:class:`UnitLimits`)
 a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` or None)
 ``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
+largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
 one-line description        ``cls.description``; option docs: ``cls.option_docs()``
 ==========================  =======================================================================
 
@@ -121,6 +122,7 @@ class PlannerSpec:
     budget_option: ClassVar[str | None] = None
     variant_option: ClassVar[str | None] = None
     analysis_variants: ClassVar[tuple[str, ...]] = ()
+    option_limits: ClassVar[dict[str, int]] = {}
 
     # -- validation helpers ------------------------------------------------------------------------
 
