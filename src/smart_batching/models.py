@@ -118,6 +118,28 @@ def load_model_and_tokenizer(name_or_path: str, **kwargs: Any) -> tuple[Any, Any
     return load_model(name_or_path, **kwargs), load_tokenizer(name_or_path)
 
 
+def save_hf_folder(name_or_path: str, folder: str | os.PathLike, *, dtype: Any = "float32") -> Path:
+    """Save a model and its tokenizer as a plain HF folder (``config.json``, safetensors, tokenizer),
+    the form other engines (vLLM) load offline, so that every engine runs identical weights.
+
+    Args:
+        name_or_path: As for :func:`load_model` (``"smollm2"``: the dequantised GGUF, fp32).
+        folder: Where to write; kept as is when it already holds a ``config.json``.
+        dtype: Weights' dtype in the folder.
+
+    Returns:
+        The folder.
+    """
+    out = Path(folder).expanduser()
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    model = load_model(name_or_path, dtype=dtype, device="cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    load_tokenizer(name_or_path).save_pretrained(str(out))
+    return out
+
+
 def _smollm2_cache_path(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
     import transformers
 
@@ -148,4 +170,11 @@ def _load_smollm2(cls: Any, torch_dtype: Any, cache_dir: str | os.PathLike | Non
     return model.to(torch_dtype)
 
 
-__all__ = ["MODEL_ALIASES", "default_device", "load_model", "load_model_and_tokenizer", "resolve_dtype"]
+__all__ = [
+    "MODEL_ALIASES",
+    "default_device",
+    "load_model",
+    "load_model_and_tokenizer",
+    "resolve_dtype",
+    "save_hf_folder",
+]
