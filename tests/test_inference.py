@@ -612,6 +612,7 @@ def test_cli_infer_reports_malformed_lines_and_runs_the_rest(llama, tok, tmp_pat
         "prompts/s" in captured.out
         and "padding ratio" in captured.out
         and "prefix tokens saved" in captured.out
+        and "transformers, order smart" in captured.out  # --engine auto without vLLM
     )
 
 

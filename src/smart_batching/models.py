@@ -140,6 +140,16 @@ def save_hf_folder(name_or_path: str, folder: str | os.PathLike, *, dtype: Any =
     return out
 
 
+def hf_folder(name_or_path: str, *, cache_dir: str | os.PathLike | None = None) -> str:
+    """A model folder (or hub name) another engine can load: an alias is saved once with
+    :func:`save_hf_folder` under the cache (``hf/<alias>``); anything else is returned as is."""
+    key = str(name_or_path).lower().replace("_", "-")
+    if key not in MODEL_ALIASES:
+        return str(name_or_path)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return str(save_hf_folder(key, root / "hf" / key))
+
+
 def _smollm2_cache_path(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
     import transformers
 
@@ -173,6 +183,7 @@ def _load_smollm2(cls: Any, torch_dtype: Any, cache_dir: str | os.PathLike | Non
 __all__ = [
     "MODEL_ALIASES",
     "default_device",
+    "hf_folder",
     "load_model",
     "load_model_and_tokenizer",
     "resolve_dtype",
