@@ -216,3 +216,4 @@ def test_vllm_generate_and_its_step_budget(tmp_path, llama):
     tokens, cached = compat.vllm_generate(llm, [[1, 2, 3], [1, 2, 3, 4]], max_new_tokens=4)
     ref = llama.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert tokens[0] == ref[0, 3:].tolist() and len(cached) == 2
+    assert compat.vllm_reset_prefix_cache(llm)

@@ -25,7 +25,8 @@ accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
-                                          :func:`vllm_generate`, :func:`vllm_max_num_batched_tokens`
+                                          :func:`vllm_generate`, :func:`vllm_max_num_batched_tokens`,
+                                          :func:`vllm_reset_prefix_cache`
 ========================================  ===================================================================
 """
 
@@ -341,6 +342,11 @@ def vllm_max_num_batched_tokens(llm: Any) -> int | None:
     scheduler = getattr(config, "scheduler_config", None)
     value = getattr(scheduler, "max_num_batched_tokens", None)
     return int(value) if value is not None else None
+
+
+def vllm_reset_prefix_cache(llm: Any) -> bool:
+    """Empty a ``vllm.LLM``'s prefix cache (so that a timed run does not reuse an earlier one's)."""
+    return bool(llm.reset_prefix_cache())
 
 
 def vllm_generate(
