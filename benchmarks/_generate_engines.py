@@ -176,8 +176,7 @@ def _bench_task(
                 "shared_prefix_tokens": s.shared_prefix_tokens if s else None,
                 "cache_hit_rate": s.cache_hit_rate if s else None,
                 "step_tokens": s.step_tokens if s else None,
-                "same_tokens_as_generate_batch": sum(a == b for a, b in zip(out, ref, strict=True))
-                / len(out),
+                "same_tokens_as_reference": sum(a == b for a, b in zip(out, ref, strict=True)) / len(out),
             }
         )
 
