@@ -54,6 +54,14 @@ def test_submission_order_input_without_prefixes_is_longest_work_first():
         expected_work(ids, 10, expected_output_lengths=[1, 2])
 
 
+def test_step_tokens_prefill_the_longest_prompt_within_the_budget():
+    from smart_batching.inference._engines import step_tokens
+
+    assert step_tokens(8192, 700) == 768  # the longest prompt in one step, rounded up to 256
+    assert step_tokens(512, 700) == 512  # never more than the KV budget
+    assert step_tokens(8192, 3) == 256
+
+
 # --------------------------------------------------------------------------------------------------
 # Engines on a tiny random model
 # --------------------------------------------------------------------------------------------------
@@ -132,7 +140,7 @@ def test_transformers_engine_gives_the_loops_greedy_tokens(llama, tok):
     assert len({len(r) for r in got.token_ids}) > 1  # not vacuous: answers end at different steps
     assert got.stats.shared_prefix_tokens >= 7 * 30 and got.stats.fallback is None
     assert got.stats.generated_tokens == sum(map(len, got.token_ids)) and got.stats.prompts_per_s > 0
-    same = generate(llama, tok, prompts, engine="transformers", order="input", **kw)
+    same = generate(llama, tok, prompts, engine="transformers", order="input", max_batch_size=2, **kw)
     assert same.token_ids == ref.token_ids and same.stats.order == "input"
 
 

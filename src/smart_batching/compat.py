@@ -264,6 +264,7 @@ def generate_batch(
     pad_token_id: int,
     num_cache_tokens: int,
     max_batch_tokens: int,
+    max_requests_per_batch: int | None = None,
     page_size: int = 64,
 ) -> list[list[int]]:
     """Greedy new tokens of each of ``inputs`` from transformers' ``model.generate_batch``, in input order
@@ -276,6 +277,7 @@ def generate_batch(
     Args:
         num_cache_tokens: KV-cache tokens (rounded up to whole pages of ``page_size`` tokens).
         max_batch_tokens: most tokens per forward step (prefill chunks and decode rows together).
+        max_requests_per_batch: most requests per step; None: transformers' choice.
 
     Raises:
         RuntimeError: a request failed or came back missing.
@@ -292,6 +294,7 @@ def generate_batch(
         page_size=page_size,
         num_blocks=-(-num_cache_tokens // page_size),
         max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests_per_batch,
         allow_block_sharing=True,  # the prefix cache: blocks of a shared prefix are computed once
     )
     out = model.generate_batch(

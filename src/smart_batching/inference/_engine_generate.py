@@ -75,6 +75,7 @@ def generate_transformers(
     order: str,
     max_new_tokens: int,
     max_tokens: int,
+    max_batch_size: int | None,
     expected_output_lengths: Sequence[float] | None,
     min_prefix: int,
     generate_kwargs: Mapping[str, Any],
@@ -86,8 +87,9 @@ def generate_transformers(
     pad_id = int(generate_kwargs.get("pad_token_id", _pad_id(model, tokenizer, eos)))
     ranked = _order(ids, order, max_new_tokens, expected_output_lengths, min_prefix)
     out_ids, info = run_transformers(
-        model, ids, ranked, max_new_tokens=max_new_tokens, max_tokens=max_tokens, eos=eos, pad_id=pad_id
-    )
+        model, ids, ranked, max_new_tokens=max_new_tokens, max_tokens=max_tokens,
+        max_batch_size=max_batch_size, eos=eos, pad_id=pad_id,
+    )  # fmt: skip
     return _result(
         tokenizer, ids, out_ids, start, engine="transformers", order=order, max_tokens=max_tokens, info=info
     )

@@ -118,6 +118,7 @@ def run_transformers(
     *,
     max_new_tokens: int,
     max_tokens: int,
+    max_batch_size: int | None,
     eos: set[int],
     pad_id: int,
 ) -> tuple[list[list[int]], dict[str, Any]]:
@@ -135,6 +136,7 @@ def run_transformers(
         pad_token_id=pad_id,
         num_cache_tokens=cache_tokens,
         max_batch_tokens=step,
+        max_requests_per_batch=max_batch_size,
     )
     out: list[list[int]] = [[] for _ in ids]
     for i, row in zip(order, got, strict=True):

@@ -128,7 +128,8 @@ def generate(
             batch, which bounds its KV cache. None: :data:`DEFAULT_MAX_TOKENS` for the model's device.
             A prompt longer than the budget runs alone. On ``transformers``, the paged cache's size;
             on a vLLM model folder, it sets the tokens per step (``max_num_batched_tokens``).
-        max_batch_size: Most prompts per batch; None means no limit.
+        max_batch_size: Most prompts per batch (per step on ``transformers``, ``max_num_seqs`` on a
+            vLLM model folder); None means no limit (the engine's default).
         continuous_batching: None: the continuous greedy loop where it gives ``model.generate``'s
             outputs (greedy, no logits processors), else planned batches through ``model.generate``.
             True: the loop, or :class:`ConfigError` saying why not. False: always ``model.generate``.
@@ -183,8 +184,8 @@ def generate(
     if chosen == "transformers":
         return generate_transformers(
             model, tokenizer, prompts, order=order, max_new_tokens=max_new_tokens, max_tokens=max_tokens,
-            expected_output_lengths=expected_output_lengths, min_prefix=min_prefix,
-            generate_kwargs=generate_kwargs,
+            max_batch_size=max_batch_size, expected_output_lengths=expected_output_lengths,
+            min_prefix=min_prefix, generate_kwargs=generate_kwargs,
         )  # fmt: skip
     model_blocker = greedy_model_blocker(model) if continuous_batching is not False else None
     blocker = model_blocker
