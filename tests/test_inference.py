@@ -20,8 +20,8 @@ from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks  # noqa
 from smart_batching.inference import encode, find_prefix_groups, tokenize_prompts  # noqa: E402
 from smart_batching.inference import generate as generate_on_any_engine  # noqa: E402
 
-# This file tests the library's own decoding loop (and encoders); the engines (vLLM, transformers'
-# generate_batch) that engine="auto" picks first are tested in tests/test_engines.py.
+# This file tests the library's own decoding loop (and encoders); the other engines (vLLM,
+# transformers' generate_batch) are tested in tests/test_engines.py.
 generate = functools.partial(generate_on_any_engine, engine="loop")
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -612,7 +612,7 @@ def test_cli_infer_reports_malformed_lines_and_runs_the_rest(llama, tok, tmp_pat
         "prompts/s" in captured.out
         and "padding ratio" in captured.out
         and "prefix tokens saved" in captured.out
-        and "transformers, order smart" in captured.out  # --engine auto without vLLM
+        and "loop, order planned" in captured.out  # --engine auto without vLLM
     )
 
 

@@ -11,8 +11,9 @@ engine          what runs
                 from our token budget, block sharing of common prefixes).
 ``loop``        the library's own greedy continuous batch (``_decode.py``), or ``model.generate`` on
                 planned batches for other decoding.
-``auto``        ``vllm`` for a ``vllm.LLM`` or a model path (where vLLM imports), else
-                ``transformers`` for plain greedy decoding, else ``loop``.
+``auto``        ``vllm`` for a ``vllm.LLM`` or a model path (where vLLM imports), else ``loop``: on
+                CPU it was measured 1.57x ``generate_batch`` (``benchmarks/RESULTS.md``), so the loop
+                stays the transformers path until a run shows otherwise.
 ==============  ==========================================================================================
 
 Every engine receives the requests in the order of :mod:`smart_batching.inference._order` (prefix
@@ -27,7 +28,6 @@ from typing import Any
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
-from smart_batching.fallbacks import warn_fallback
 
 ENGINES = ("auto", "vllm", "transformers", "loop")
 ORDERS = ("smart", "input")
@@ -39,8 +39,8 @@ def _is_path(model: Any) -> bool:
 
 def resolve_engine(
     engine: str, model: Any, *, continuous_batching: bool | None, settings_blocker: str | None
-) -> tuple[str, str | None]:
-    """``(engine that runs, why auto took a slower one or None)``.
+) -> str:
+    """The engine that runs (``"vllm"``, ``"transformers"`` or ``"loop"``).
 
     Args:
         engine: What the caller asked for (one of :data:`ENGINES`).
@@ -70,30 +70,23 @@ def resolve_engine(
             )
         if settings_blocker:
             raise ConfigError(f"engine='vllm' runs greedy decoding only here, but {settings_blocker}")
-        return "vllm", None
+        return "vllm"
     if vllm_model:
         raise ConfigError(
             f"engine={engine!r} needs a loaded transformers model as model=, not a vLLM engine or a path "
             "(smart_batching.models.load_model loads one)"
         )
     if engine == "loop":
-        return "loop", None
-    blocker = None if compat.has_generate_batch(model) else _no_generate_batch(model)
+        return "loop"
     if engine == "transformers":
+        blocker = None if compat.has_generate_batch(model) else _no_generate_batch(model)
         if blocker or settings_blocker:
             raise ConfigError(f"engine='transformers' cannot run here: {blocker or settings_blocker}")
-        return "transformers", None
-    # auto
-    if continuous_batching is not None or settings_blocker:
-        return "loop", None  # the caller chose the loop's switch, or sampling/beams: model.generate
-    if blocker:
-        warn_fallback(
-            "generate.engine",
-            f"greedy decoding runs on the library's own loop, not transformers' continuous batching, "
-            f"because {blocker}; pass engine='loop' to choose it (and silence this warning).",
-        )
-        return "loop", blocker
-    return "transformers", None
+        return "transformers"
+    # auto, on a transformers model: the library's loop, measured ahead of generate_batch (CPU,
+    # transformers 5.24, SmolLM2, 32 GSM8K questions x 256 new tokens: 132.8 s against 208.9 s with our
+    # order and 216.5 s without; benchmarks/RESULTS.md). Its own fallbacks (model.generate) still warn.
+    return "loop"
 
 
 def _no_generate_batch(model: Any) -> str:
