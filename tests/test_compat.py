@@ -208,6 +208,9 @@ def test_vllm_is_detected_without_being_imported():
 
 def test_vllm_generate_and_its_step_budget(tmp_path, llama):
     pytest.importorskip("vllm")
+    torch.manual_seed(0)  # vLLM's CPU attention takes head_dim 32, 64, 128...: 2 heads of 64
+    extra = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(llama.config.to_dict() | extra))).eval()
     llama.save_pretrained(tmp_path)
     llm = compat.vllm_llm(
         str(tmp_path), max_num_batched_tokens=256, dtype="float32", skip_tokenizer_init=True

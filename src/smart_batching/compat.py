@@ -323,6 +323,10 @@ def is_vllm_llm(obj: Any) -> bool:
     return cls.__name__ == "LLM" and cls.__module__.split(".")[0] == "vllm"
 
 
+CPU_KV_CACHE_BYTES = 1 << 30
+"""KV cache of a ``vllm.LLM`` on CPU when the caller sets none (1 GiB)."""
+
+
 def vllm_llm(model: str, *, max_num_batched_tokens: int | None = None, **kwargs: Any) -> Any:
     """A ``vllm.LLM`` over a model folder or hub name, with automatic prefix caching on.
 
@@ -330,11 +334,18 @@ def vllm_llm(model: str, *, max_num_batched_tokens: int | None = None, **kwargs:
         max_num_batched_tokens: tokens per engine step (prefill chunks and decode rows); None: vLLM's.
         **kwargs: other ``LLM`` settings (``dtype``, ``seed``, ``max_model_len``...).
     """
+    import torch
     from vllm import LLM
 
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     kwargs.setdefault("enable_prefix_caching", True)
+    if not torch.cuda.is_available() and not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(
+        kwargs
+    ):
+        # On CPU, vLLM 0.32 reserves gpu_memory_utilization (0.92) of host memory and refuses to start
+        # when less is free; a KV cache of a fixed size starts on a shared machine.
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     return LLM(model, **kwargs)
 
 
