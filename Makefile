@@ -2,10 +2,12 @@
 # Set-up installs the versions pinned in requirements/lock.txt (see README "Versions").
 VENV ?= .venv
 LATEST_VENV ?= .venv-latest
+VLLM_VENV ?= .venv-vllm
+ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all test-latest lock bench lint venv venv-dev clean
+.PHONY: demo test test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean
 
 venv:
 	@bash scripts/setup_venv.sh $(VENV) hf,plot
@@ -40,9 +42,15 @@ lock:
 bench: venv-dev
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/planner_speed.py
 
+## Inference benchmark (engines side by side) in $(VLLM_VENV): vLLM with the library installed
+## without the lock, since vLLM pins its own transformers. `make bench-inference ARGS=--json`.
+bench-inference:
+	@bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/inference.py $(ARGS)
+
 lint: venv-dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache

@@ -1,28 +1,29 @@
 """Batched inference: smart batching against fixed-size batches in input order and HF pipelines.
 
-Three workloads, each measured side by side in one run (methods interleaved over ``--repeat`` rounds,
-the median kept, so load from other processes hits all of them alike):
+Workloads, each measured side by side in one run (methods interleaved over ``--repeat`` rounds, the
+median kept, so load from other processes hits all of them alike):
 
-* ``generate``: SmolLM2-135M-Instruct (dequantised GGUF, fp32 on CPU) answering the first
-  ``--num-prompts`` GSM8K test questions (chat template, greedy, ``--max-new-tokens``).
-  ``smart_batching`` (:func:`smart_batching.inference.generate`, token budget ``--max-tokens``,
-  continuous batching), ``smart_batching_planned`` (the same plan through ``model.generate``, each
-  batch until its longest answer: the ablation of continuous batching) vs
-  ``naive_bs{B}`` (fixed batches of B in input order, left padding, ``model.generate``) at
-  ``--batch-size`` and at the largest fixed B whose worst batch fits the same token budget
-  (``naive_same_memory``), and ``hf_pipeline_bs{B}`` (``pipeline("text-generation", batch_size=B)``).
+* ``generate``, ``generate_shared_prefix``, ``generate_multi_prefix``: SmolLM2-135M-Instruct on every
+  engine, identical fp32 weights (the GGUF dequantised once and saved as an HF folder for vLLM): fixed
+  batches of ``model.generate``, transformers' ``generate_batch``, the library's loop, vLLM alone and
+  vLLM with smart batching's order and step budget. See ``benchmarks/_generate_engines.py``. vLLM
+  pins its own transformers: run it with ``make bench-inference`` (its own environment).
 * ``encode``: all-MiniLM-L6-v2 mean-pooled, normalised embeddings of the SST-2 dev sentences:
   ``smart_batching`` and ``smart_batching_packed`` (:func:`smart_batching.inference.encode`) vs
-  ``naive_bs{B}``, ``hf_pipeline_bs{B}`` (``pipeline("feature-extraction")`` + mean pooling) and
-  ``sentence_transformers`` (``SentenceTransformer.encode(batch_size=B)``, if installed).
-* ``prefix``: ``--prefix-prompts`` GSM8K test questions behind the same ``--few-shot`` solved train
-  examples; prefill time (``max_new_tokens=1``) with and without reusing the shared prefix's KV cache.
+  ``naive_bs{B}``, ``hf_pipeline_bs{B}`` (``pipeline("feature-extraction")`` + mean pooling) and the
+  ``sentence_transformers`` anchor (``SentenceTransformer.encode(batch_size=B)``; a missing
+  sentence-transformers is an error, not a skip).
+
+With ``--json``: one record per (task, method) and line, with ``task``, ``engine``, ``strategy``
+(``smart`` where smart batching planned the order, ``naive`` for fixed batches in input order) and
+``items_per_s``.
 
 Usage::
 
-    python benchmarks/inference.py                       # table
-    python benchmarks/inference.py --json                # one JSON record per method per line
+    make bench-inference                                 # table (in .venv-vllm, with vLLM)
+    make bench-inference ARGS=--json                     # one JSON record per method per line
     python benchmarks/inference.py --tasks encode --repeat 5
+    python benchmarks/inference.py --no-vllm --tasks generate  # without vLLM (the dev venv)
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM logs to stdout by default, which would break --json; and on CPU it keeps one core for itself
+# (VLLM_CPU_NUM_OF_RESERVED_CPU), which on a 2-core machine halves its threads against the others'.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 import numpy as np
 import torch
@@ -194,82 +199,6 @@ def _timing(run: dict[str, Any], clock: str) -> dict[str, Any]:
     }
 
 
-def bench_generate(args: argparse.Namespace, model: Any, tok: Any) -> list[dict[str, Any]]:
-    from smart_batching.data.tokenizers import load_tokenizer
-    from smart_batching.inference import generate, tokenize_prompts
-
-    questions = [r["question"] for r in gsm8k("test", args.num_prompts)]
-    prompts = [[{"role": "user", "content": q}] for q in questions]
-    ids = tokenize_prompts(tok, prompts)
-    new = args.max_new_tokens
-    budget = args.max_tokens
-    same_memory_bs = max(1, budget // (max(map(len, ids)) + new))
-    pipe_tok = load_tokenizer("smollm2")
-    generate(model, tok, prompts[:2], max_new_tokens=2, progress=False)  # warm-up
-    stats: dict[str, Any] = {}
-
-    def smart(name: str, **kwargs: Any) -> Callable[[], list[list[int]]]:
-        def run() -> list[list[int]]:
-            r = generate(model, tok, prompts, max_new_tokens=new, max_tokens=budget, progress=False, **kwargs)
-            stats[name] = r.stats
-            return r.token_ids
-
-        return run
-
-    methods: dict[str, Callable[[], Any]] = {
-        "smart_batching": smart("smart_batching"),
-        # SmolLM2's chat template opens every prompt with the same system prompt (24 tokens).
-        "smart_batching_prefix_sharing": smart(
-            "smart_batching_prefix_sharing", prefix_sharing=True, min_prefix=16
-        ),
-        # Ablation: the same token-budget plan through model.generate, each batch until its longest.
-        "smart_batching_planned": smart("smart_batching_planned", continuous_batching=False),
-        f"naive_bs{args.batch_size}": lambda: naive_generate(model, tok, ids, args.batch_size, new),
-    }
-    if same_memory_bs != args.batch_size:
-        methods[f"naive_bs{same_memory_bs}_same_memory"] = lambda: naive_generate(
-            model, tok, ids, same_memory_bs, new
-        )
-    if not args.no_pipeline:
-        methods[f"hf_pipeline_bs{args.batch_size}"] = lambda: pipeline_generate(
-            model, pipe_tok, prompts, args.batch_size, new
-        )
-    results = interleaved(methods, args.generate_repeat, args.clock)
-    ref = results["smart_batching"]["out"]
-    ref_texts = tok.batch_decode(ref, skip_special_tokens=True)
-    records = []
-    for name, run in results.items():
-        out = run["out"]
-        pipe = name.startswith("hf_pipeline")
-        texts = out if pipe else tok.batch_decode(out, skip_special_tokens=True)
-        # The pipeline returns text only: its token count is re-tokenised (close, not exact).
-        generated = sum(len(tok(t)["input_ids"]) for t in out) if pipe else sum(len(r) for r in out)
-        bs = None if name in stats else int(name.split("_bs")[1].split("_")[0])
-        s = stats.get(name)
-        records.append(
-            {
-                "task": "generate",
-                "workload": f"gsm8k_test[:{len(prompts)}] chat, greedy, {new} new tokens",
-                "strategy": name,
-                "items_per_s": len(prompts) / run["seconds"],
-                "generated_tokens_per_s": generated / run["seconds"],
-                **_timing(run, args.clock),
-                "batch_size": bs,
-                "max_tokens": budget if s else None,
-                "num_batches": s.num_batches if s else -(-len(prompts) // bs),
-                "padding_ratio": s.padding_ratio if s else _naive_padding(ids, bs),
-                "prefill_tokens_saved": s.prefill_tokens_saved if s else 0,
-                "continuous_batching": s.continuous_batching if s else False,
-                "mean_decode_rows": s.mean_decode_rows if s else None,
-                "prompt_tokens": sum(map(len, ids)),
-                "same_text_as_smart": float(
-                    np.mean([a.strip() == b.strip() for a, b in zip(texts, ref_texts, strict=True)])
-                ),
-            }
-        )
-    return records
-
-
 def _naive_padding(ids: list[list[int]], bs: int) -> float:
     lens = np.array([len(r) for r in ids])
     slots = sum(int(lens[i : i + bs].max()) * len(lens[i : i + bs]) for i in range(0, len(lens), bs))
@@ -312,13 +241,14 @@ def bench_encode(args: argparse.Namespace) -> list[dict[str, Any]]:
     }
     try:
         from sentence_transformers import SentenceTransformer
-
-        st = SentenceTransformer(str(alias_asset_path("minilm")), device=str(model.device))
-        methods[f"sentence_transformers_bs{bs}"] = lambda: torch.from_numpy(
-            st.encode(texts, batch_size=bs, normalize_embeddings=True, convert_to_numpy=True)
-        )
-    except ImportError:
-        print("sentence-transformers is not installed: skipped", file=sys.stderr)
+    except ImportError as exc:  # the anchor is the point of the comparison: never skip it
+        raise SystemExit(
+            "the encode anchor needs sentence-transformers: pip install -e '.[dev]' (or make bench-inference)"
+        ) from exc
+    st = SentenceTransformer(str(alias_asset_path("minilm")), device=str(model.device))
+    methods[f"sentence_transformers_bs{bs}"] = lambda: torch.from_numpy(
+        st.encode(texts, batch_size=bs, normalize_embeddings=True, convert_to_numpy=True)
+    )
     encode(model, tok, texts[:64], max_tokens=budget, progress=False)  # warm-up
     results = interleaved(methods, args.repeat, args.clock)
     ref = results["smart_batching"]["out"]
@@ -336,6 +266,11 @@ def bench_encode(args: argparse.Namespace) -> list[dict[str, Any]]:
             {
                 "task": "encode",
                 "workload": f"sst2_dev ({len(texts)} sentences), mean pooling, normalised",
+                "engine": "smart_batching"
+                if name.startswith("smart")
+                else "sentence_transformers"
+                if name.startswith("sentence")
+                else "transformers",
                 "strategy": name,
                 "items_per_s": len(texts) / seconds,
                 "tokens_per_s": int(lens.sum()) / seconds,
@@ -345,64 +280,6 @@ def bench_encode(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "num_batches": batches,
                 "padding_ratio": padding,
                 "max_abs_diff_vs_smart": float((out.float() - ref.float()).abs().max()),
-            }
-        )
-    return records
-
-
-def bench_prefix(args: argparse.Namespace, model: Any, tok: Any) -> list[dict[str, Any]]:
-    from smart_batching.inference import find_prefix_groups, generate, tokenize_prompts
-
-    shots = gsm8k("train", args.few_shot)
-    header = "Solve the grade-school math problems. End with '#### <answer>'.\n\n"
-    prefix = header + "".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n" for s in shots)
-    questions = [r["question"] for r in gsm8k("test", args.prefix_prompts)]
-    prompts = [f"{prefix}Question: {q}\nAnswer:" for q in questions]
-    groups = find_prefix_groups(tokenize_prompts(tok, prompts))
-    shared = int(sum(len(m) * p for m, p in groups))  # prompt tokens inside a shared prefix
-    generate(model, tok, prompts[:2], max_new_tokens=1, progress=False, prefix_sharing=True)  # warm-up
-    stats: dict[str, Any] = {}
-
-    def run(share: bool) -> Callable[[], list[list[int]]]:
-        def fn() -> list[list[int]]:
-            r = generate(
-                model,
-                tok,
-                prompts,
-                max_new_tokens=1,
-                max_tokens=args.max_tokens,
-                prefix_sharing=share,
-                progress=False,
-            )
-            stats[share] = r.stats
-            return r.token_ids
-
-        return fn
-
-    results = interleaved(
-        {"prefill_no_reuse": run(False), "prefill_prefix_reuse": run(True)}, args.generate_repeat, args.clock
-    )
-    records = []
-    for name, run_ in results.items():
-        out, seconds = run_["out"], run_["seconds"]
-        s = stats[name == "prefill_prefix_reuse"]
-        records.append(
-            {
-                "task": "generate",
-                "workload": f"prefix: {len(prompts)} gsm8k_test questions behind {args.few_shot} solved train examples, prefill (1 new token)",
-                "strategy": name,
-                "items_per_s": len(prompts) / seconds,
-                **_timing(run_, args.clock),
-                "prompt_tokens": s.prompt_tokens,
-                "prefill_tokens": s.prefill_tokens,
-                "prefill_tokens_saved": s.prefill_tokens_saved,
-                # shared: prompt tokens inside a shared prefix; saved: those skipped (all but one copy).
-                "shared_fraction": shared / s.prompt_tokens,
-                "saved_fraction": s.prefill_tokens_saved / s.prompt_tokens,
-                "num_prefix_groups": s.num_prefix_groups,
-                "num_batches": s.num_batches,
-                "max_tokens": args.max_tokens,
-                "same_tokens_as_no_reuse": out == results["prefill_no_reuse"]["out"],
             }
         )
     return records
@@ -418,33 +295,32 @@ def render(records: list[dict[str, Any]]) -> str:
     for workload in dict.fromkeys(r["workload"] for r in records):
         rows = [r for r in records if r["workload"] == workload]
         lines.append(f"\n{rows[0]['task']}: {workload}")
-        base = next(
-            (r for r in rows if r["strategy"].startswith("naive") and "same_memory" not in r["strategy"]),
-            rows[-1],
-        )
+        base = next((r for r in rows if r["strategy"].startswith("naive")), rows[-1])
         clock = f"{rows[0]['clock']} s"
-        lines.append(
-            f"  {'strategy':<34}{'items/s':>9}{clock:>9}{'x base':>8}{'padding':>9}{'batches':>8}  notes"
-        )
+        lines.append(f"  {'engine':<22}{'strategy':<26}{'items/s':>9}{clock:>9}{'x base':>8}  notes")
         for r in rows:
-            note = ""
-            if "same_text_as_smart" in r:
-                note = f"same text as smart: {r['same_text_as_smart']:.0%}"
-            elif "max_abs_diff_vs_smart" in r:
-                note = f"max |diff| vs smart: {r['max_abs_diff_vs_smart']:.1e}"
-            elif "shared_fraction" in r:
+            if "same_tokens_as_reference" in r:
+                hit = r.get("cache_hit_rate")
                 note = (
-                    f"shared {r['shared_fraction']:.1%}, saved {r['prefill_tokens_saved']}/{r['prompt_tokens']} "
-                    f"prompt tokens; same tokens: {r['same_tokens_as_no_reuse']}"
+                    f"gen tok/s {r['generated_tokens_per_s']:.0f}; same tokens as the first method "
+                    f"{r['same_tokens_as_reference']:.0%}"
+                    + (f"; prefix-cache hits {hit:.0%}" if hit is not None else "")
+                    + (f"; step {r['step_tokens']}" if r.get("step_tokens") else "")
                 )
-            if r.get("prefill_tokens_saved") and "same_text_as_smart" in r:
-                note += f"; prefix tokens saved {r['prefill_tokens_saved']}/{r['prompt_tokens']}"
-            padding = f"{r['padding_ratio']:.1%}" if r.get("padding_ratio") is not None else "-"
+            else:
+                note = (
+                    f"padding {r['padding_ratio']:.1%}; max |diff| vs smart {r['max_abs_diff_vs_smart']:.1e}"
+                )
             lines.append(
-                f"  {r['strategy']:<34}{r['items_per_s']:>9.2f}{r['seconds']:>9.2f}{r['items_per_s'] / base['items_per_s']:>7.2f}x"
-                f"{padding:>9}{r['num_batches']:>8}  {note}"
+                f"  {r['engine']:<22}{r['strategy']:<26}{r['items_per_s']:>9.2f}{r['seconds']:>9.2f}"
+                f"{r['items_per_s'] / base['items_per_s']:>7.2f}x  {note}"
             )
         lines.append(f"  (x base: items/s relative to {base['strategy']})")
+        shared = next(
+            (r["shared_prefix_tokens"] for r in rows if r.get("shared_prefix_tokens") is not None), None
+        )
+        if shared is not None:
+            lines.append(f"  (prefix tokens shared: {shared} of {rows[0]['prompt_tokens']} prompt tokens)")
     return "\n".join(lines)
 
 
@@ -452,61 +328,67 @@ def targets(records: list[dict[str, Any]], batch_size: int, encode_bs: int) -> l
     """One line per target of the issue, with the measured ratio and whether it was met."""
 
     def rate(task: str, strategy: str) -> float | None:
-        for r in records:
-            if r["task"] == task and r["strategy"] == strategy and not r["workload"].startswith("prefix"):
-                return r["items_per_s"]
-        return None
+        return next(
+            (r["items_per_s"] for r in records if r["task"] == task and r["strategy"] == strategy), None
+        )
 
     def line(what: str, ratio: float, goal: float) -> str:
         return f"{what}: {ratio:.2f}x (target {goal}x) -> {'met' if ratio >= goal else 'NOT met'}"
 
     out = []
-    naive = rate("generate", f"naive_bs{batch_size}")
-    same = next((r for r in records if "same_memory" in r["strategy"]), None)
-    for strategy in ("smart_batching", "smart_batching_prefix_sharing"):
-        ours = rate("generate", strategy)
-        if ours and naive:
-            out.append(line(f"generate {strategy} vs naive_bs{batch_size}", ours / naive, 2))
-        if ours and same:
-            out.append(line(f"generate {strategy} vs {same['strategy']}", ours / same["items_per_s"], 2))
+    goals = [
+        ("generate_multi_prefix", "smart_vllm", "vllm", 1.3),
+        ("generate", "smart_vllm", "vllm", 0.97),
+    ]
+    for task in ("generate", "generate_shared_prefix", "generate_multi_prefix"):
+        goals.append((task, "smart_generate_batch", f"naive_bs{batch_size}", 2.0))
+        goals.append((task, "smart_generate_batch", "smart_loop", 1.0))
+    for task, ours, base, goal in goals:
+        a, b = rate(task, ours), rate(task, base)
+        if a and b:
+            out.append(line(f"{task}: {ours} vs {base}", a / b, goal))
     naive_e = rate("encode", f"naive_bs{encode_bs}")
     st = rate("encode", f"sentence_transformers_bs{encode_bs}")
     for strategy in ("smart_batching", "smart_batching_packed"):
-        ours = rate("encode", strategy)
-        if ours and st:
-            out.append(line(f"encode {strategy} vs sentence_transformers_bs{encode_bs}", ours / st, 1.0))
-        if ours and naive_e:
-            out.append(line(f"encode {strategy} vs naive_bs{encode_bs}", ours / naive_e, 1.5))
-    pre = {r["strategy"]: r for r in records if r["workload"].startswith("prefix")}
-    if len(pre) == 2:
-        no, yes = pre["prefill_no_reuse"], pre["prefill_prefix_reuse"]
-        cut = 1 - yes["seconds"] / no["seconds"]
-        for name in ("shared_fraction", "saved_fraction"):
-            frac = yes[name]
-            out.append(
-                f"prefix reuse cuts prefill time by >= {name.replace('_', ' ')}: cut {cut:.1%} vs "
-                f"{frac:.1%} -> {'met' if cut >= frac else 'NOT met'}"
-            )
+        ours_e = rate("encode", strategy)
+        if ours_e and st:
+            out.append(line(f"encode {strategy} vs sentence_transformers_bs{encode_bs}", ours_e / st, 1.0))
+        if ours_e and naive_e:
+            out.append(line(f"encode {strategy} vs naive_bs{encode_bs}", ours_e / naive_e, 1.5))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
+    from _generate_engines import TASKS, bench_generate_engines
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--tasks", default="generate,encode,prefix", help="comma-separated: generate, encode, prefix"
+        "--tasks",
+        default=",".join((*TASKS, "encode")),
+        help="comma-separated: " + ", ".join((*TASKS, "encode")),
     )
-    p.add_argument("--num-prompts", type=int, default=64, help="GSM8K test questions to answer (default: 64)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=32, help="GSM8K test questions (default: 32)")
     p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="smart token budget per generation batch (default: the library's)",
+        "--multi-prompts", type=int, default=64, help="questions of generate_multi_prefix (default: 64)"
+    )
+    p.add_argument("--num-prefixes", type=int, default=4, help="distinct 4-shot prefixes (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=8192,
+        help="KV cache of every continuous engine, in tokens (default: 8192)",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=8, help="naive generation batch size (default: 8)")
+    p.add_argument(
+        "--loop-tasks",
+        default="generate",
+        help="tasks that also run the library's own loop (default: generate)",
     )
     p.add_argument(
-        "--batch-size", type=int, default=8, help="naive and pipeline generation batch size (default: 8)"
+        "--hf-tasks",
+        default=",".join(TASKS),
+        help="tasks that run the transformers methods (fixed batches, generate_batch; slow on CPU); default: all",
     )
-    p.add_argument("--no-pipeline", action="store_true", help="skip the text-generation pipeline (slow)")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM methods (no vLLM installed)")
     p.add_argument("--num-texts", type=int, default=None, help="SST-2 dev sentences (default: all 872)")
     p.add_argument(
         "--encode-batch-size", type=int, default=32, help="naive/pipeline/ST batch size (default: 32)"
@@ -518,17 +400,9 @@ def main(argv: list[str] | None = None) -> None:
         help="smart token budget per encode batch (default: the library's)",
     )
     p.add_argument(
-        "--few-shot", type=int, default=4, help="solved train examples in the shared prefix (default: 4)"
-    )
-    p.add_argument(
-        "--prefix-prompts", type=int, default=32, help="questions behind the shared prefix (default: 32)"
-    )
-    p.add_argument(
         "--repeat", type=int, default=3, help="rounds per encode method; the median is kept (default: 3)"
     )
-    p.add_argument(
-        "--generate-repeat", type=int, default=1, help="rounds per generate/prefix method (default: 1)"
-    )
+    p.add_argument("--generate-repeat", type=int, default=1, help="rounds per generate method (default: 1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument(
         "--clock",
@@ -553,8 +427,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    tasks = set(args.tasks.split(","))
-
+    tasks = args.tasks.split(",")
+    unknown = set(tasks) - {*TASKS, "encode"}
+    if unknown:
+        sys.exit(f"unknown --tasks {sorted(unknown)}; choose from {', '.join((*TASKS, 'encode'))}")
     import transformers
 
     from smart_batching.data.tokenizers import load_tokenizer
@@ -563,38 +439,36 @@ def main(argv: list[str] | None = None) -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = device
-    default_budget = DEFAULT_MAX_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
-    args.max_tokens = args.max_tokens or default_budget
-    args.encode_max_tokens = args.encode_max_tokens or default_budget
+    args.encode_max_tokens = (
+        args.encode_max_tokens or DEFAULT_MAX_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
+    )
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    try:
+        import vllm
+
+        versions += f", vllm {vllm.__version__}"
+    except ImportError:
+        pass
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
-        f"{torch.cuda.get_device_name() if device == 'cuda' else 'no GPU'}; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"{torch.cuda.get_device_name() if device == 'cuda' else 'no GPU'}; {versions}"
     )
     records: list[dict[str, Any]] = []
-    dtype = "-"
-    if tasks & {"generate", "prefix"}:
-        model, tok = load_model("smollm2", device=device), load_tokenizer("smollm2")
-        if "generate" in tasks:
-            print("== generate ==", file=sys.stderr)
-            records += bench_generate(args, model, tok)
-        if "prefix" in tasks:
-            print("== prefix ==", file=sys.stderr)
-            records += bench_prefix(args, model, tok)
-        dtype = str(model.dtype)
+    gen_tasks = [t for t in TASKS if t in tasks]
+    if gen_tasks:
+        model, tok = load_model("smollm2", device=device, dtype="float32"), load_tokenizer("smollm2")
+        records += bench_generate_engines(
+            args, model, tok, gsm8k, interleaved, naive_generate, _timing, gen_tasks
+        )
         del model
     if "encode" in tasks:
         print("== encode ==", file=sys.stderr)
         records += bench_encode(args)
     for r in records:
-        r.update(
-            machine=machine,
-            device=device,
-            dtype=dtype if r["task"] == "generate" else "float32" if device == "cpu" else "auto",
-        )
+        r.update(machine=machine, device=device, dtype="float32" if device == "cpu" else "auto")
     if args.json:
         for r in records:
-            print(json.dumps(r))
+            print(json.dumps(r), flush=True)
         return
     print(f"machine: {machine}")
     print(render(records))

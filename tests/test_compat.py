@@ -4,6 +4,8 @@ naming it, instead of a feature breaking somewhere else."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -197,3 +199,43 @@ def test_a_broken_check_raises_a_config_error_naming_the_version(monkeypatch):
         ConfigError, match=rf"transformers {transformers.__version__}'s Trainer no longer has _run_epoch"
     ):
         compat.check_trainer_hooks()
+
+
+def test_generate_batch_runs_greedy_in_input_order_on_a_sized_cache(llama):
+    assert compat.has_generate_batch(llama)
+    prompts = [[1, 2, 3], [5] * 20, [7, 8]]
+    got = compat.generate_batch(
+        llama, prompts, max_new_tokens=5, eos_token_ids=set(), pad_token_id=0,
+        num_cache_tokens=256, max_batch_tokens=64, page_size=16,
+    )  # fmt: skip
+    for p, row in zip(prompts, got, strict=True):  # each request's own answer, in input order
+        ref = llama.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert row == ref[0, len(p) :].tolist()
+    encoder = transformers.BertModel(transformers.BertConfig(num_hidden_layers=1))
+    assert not compat.has_generate_batch(encoder)
+
+
+def test_vllm_is_detected_without_being_imported():
+    import sys
+
+    assert compat.vllm_available() == (importlib.util.find_spec("vllm") is not None)
+    assert "vllm" not in sys.modules or compat.vllm_available()
+    fake = type("LLM", (), {"__module__": "vllm.entrypoints.llm"})()
+    assert compat.is_vllm_llm(fake) and not compat.is_vllm_llm(object())
+    assert compat.vllm_max_num_batched_tokens(object()) is None
+
+
+def test_vllm_generate_and_its_step_budget(tmp_path, llama):
+    pytest.importorskip("vllm")
+    torch.manual_seed(0)  # vLLM's CPU attention takes head_dim 32, 64, 128...: 2 heads of 64
+    extra = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(llama.config.to_dict() | extra))).eval()
+    llama.save_pretrained(tmp_path)
+    llm = compat.vllm_llm(
+        str(tmp_path), max_num_batched_tokens=256, dtype="float32", skip_tokenizer_init=True
+    )
+    assert compat.vllm_max_num_batched_tokens(llm) == 256
+    tokens, cached = compat.vllm_generate(llm, [[1, 2, 3], [1, 2, 3, 4]], max_new_tokens=4)
+    ref = llama.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert tokens[0] == ref[0, 3:].tolist() and len(cached) == 2
+    assert compat.vllm_reset_prefix_cache(llm)

@@ -17,7 +17,12 @@ transformers = pytest.importorskip("transformers")
 from smart_batching import compat  # noqa: E402
 from smart_batching.errors import ConfigError, DataError  # noqa: E402
 from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks  # noqa: E402
-from smart_batching.inference import encode, find_prefix_groups, generate, tokenize_prompts  # noqa: E402
+from smart_batching.inference import encode, find_prefix_groups, tokenize_prompts  # noqa: E402
+from smart_batching.inference import generate as generate_on_any_engine  # noqa: E402
+
+# This file tests the library's own decoding loop (and encoders); the other engines (vLLM,
+# transformers' generate_batch) are tested in tests/test_engines.py.
+generate = functools.partial(generate_on_any_engine, engine="loop")
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 WORDS = [
@@ -607,6 +612,7 @@ def test_cli_infer_reports_malformed_lines_and_runs_the_rest(llama, tok, tmp_pat
         "prompts/s" in captured.out
         and "padding ratio" in captured.out
         and "prefix tokens saved" in captured.out
+        and "loop, order planned" in captured.out  # --engine auto without vLLM
     )
 
 

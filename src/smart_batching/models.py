@@ -118,6 +118,38 @@ def load_model_and_tokenizer(name_or_path: str, **kwargs: Any) -> tuple[Any, Any
     return load_model(name_or_path, **kwargs), load_tokenizer(name_or_path)
 
 
+def save_hf_folder(name_or_path: str, folder: str | os.PathLike, *, dtype: Any = "float32") -> Path:
+    """Save a model and its tokenizer as a plain HF folder (``config.json``, safetensors, tokenizer),
+    the form other engines (vLLM) load offline, so that every engine runs identical weights.
+
+    Args:
+        name_or_path: As for :func:`load_model` (``"smollm2"``: the dequantised GGUF, fp32).
+        folder: Where to write; kept as is when it already holds a ``config.json``.
+        dtype: Weights' dtype in the folder.
+
+    Returns:
+        The folder.
+    """
+    out = Path(folder).expanduser()
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    model = load_model(name_or_path, dtype=dtype, device="cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    load_tokenizer(name_or_path).save_pretrained(str(out))
+    return out
+
+
+def hf_folder(name_or_path: str, *, cache_dir: str | os.PathLike | None = None) -> str:
+    """A model folder (or hub name) another engine can load: an alias is saved once with
+    :func:`save_hf_folder` under the cache (``hf/<alias>``); anything else is returned as is."""
+    key = str(name_or_path).lower().replace("_", "-")
+    if key not in MODEL_ALIASES:
+        return str(name_or_path)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return str(save_hf_folder(key, root / "hf" / key))
+
+
 def _smollm2_cache_path(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
     import transformers
 
@@ -148,4 +180,12 @@ def _load_smollm2(cls: Any, torch_dtype: Any, cache_dir: str | os.PathLike | Non
     return model.to(torch_dtype)
 
 
-__all__ = ["MODEL_ALIASES", "default_device", "load_model", "load_model_and_tokenizer", "resolve_dtype"]
+__all__ = [
+    "MODEL_ALIASES",
+    "default_device",
+    "hf_folder",
+    "load_model",
+    "load_model_and_tokenizer",
+    "resolve_dtype",
+    "save_hf_folder",
+]

@@ -84,6 +84,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="shortest shared prefix (default: 32)",
     )
     p.add_argument(
+        "--engine",
+        choices=("auto", "vllm", "transformers", "loop"),
+        default="auto",
+        help="generate: vllm (LLM.generate), transformers (generate_batch), loop (the library's own) or "
+        "auto (vllm where installed, else transformers; default)",
+    )
+    p.add_argument(
+        "--order",
+        choices=("smart", "input"),
+        default="smart",
+        help="generate on an engine: smart (prefix groups together, long work first) or input order",
+    )
+    p.add_argument(
         "--pooling", choices=("mean", "cls", "none"), default="mean", help="encode: pooling (default: mean)"
     )
     p.add_argument("--normalize", action="store_true", help="encode: L2-normalise embeddings")
@@ -178,7 +191,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.input}:{lineno}: skipped: {reason}", file=sys.stderr)
     if not good:
         raise DataError(f"{args.input}: no usable line ({len(bad)} malformed); nothing to run")
-    model = load_model(args.model, task=task, dtype=args.dtype, device=check_device(args.device))
+    from smart_batching import compat
+
+    if task == "generate" and (args.engine == "vllm" or (args.engine == "auto" and compat.vllm_available())):
+        from smart_batching.models import hf_folder
+
+        model = hf_folder(args.model)  # generate() loads it into vLLM (or says why it cannot)
+    else:
+        model = load_model(args.model, task=task, dtype=args.dtype, device=check_device(args.device))
     load_s = time.perf_counter() - start
 
     from smart_batching import inference
@@ -190,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
             model,
             tokenizer,
             prompts,
+            engine=args.engine,
+            order=args.order,
             max_new_tokens=args.max_new_tokens,
             max_tokens=args.max_tokens,
             max_batch_size=args.max_batch_size,
@@ -204,9 +226,15 @@ def run(args: argparse.Namespace) -> int:
         s = result.stats
         summary = [
             ("prompts", f"{s.num_prompts}"),
+            ("engine", f"{s.engine}, order {s.order}"),
             ("batches", f"{s.num_batches}"),
             ("time", f"{s.seconds:.2f} s (+ {load_s:.1f} s loading)"),
             ("prompts/s", f"{s.prompts_per_s:.2f}"),
+            ("shared prefix tokens", f"{s.shared_prefix_tokens} of {s.prompt_tokens} prompt tokens"),
+            (
+                "prefix cache hit rate",
+                "not reported by the engine" if s.cache_hit_rate is None else f"{s.cache_hit_rate:.1%}",
+            ),
             (
                 "decoding",
                 f"{'continuous batch' if s.continuous_batching else 'model.generate'}, "

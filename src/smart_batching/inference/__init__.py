@@ -3,7 +3,11 @@
 Every call tokenises its inputs once, orders or plans them by token length under a padded-token
 budget, runs them, and puts the outputs back in the caller's order.
 
-* :func:`generate`: causal LMs. A row costs ``prompt + max_new_tokens`` tokens of KV cache, so that is
+* :func:`generate`: causal LMs, on an engine (``engine="auto" | "vllm" | "transformers" | "loop"``,
+  :mod:`~smart_batching.inference._engines`): vLLM's offline ``LLM.generate`` or transformers'
+  ``generate_batch``, fed in smart batching's order (prefix groups together over a prefix tree of the
+  whole request set, long work first: :mod:`~smart_batching.inference._order`), or the library's own
+  loop, described next. On the loop, a row costs ``prompt + max_new_tokens`` tokens of KV cache, so that is
   the length budgeted and the cache of the running batch is bounded by ``max_tokens``. Prompts are
   left-padded. Greedy decoding runs as a continuous batch (``_decode.py``): a row leaves when its
   answer ends and a queued prompt takes its place; other decoding runs ``model.generate`` on planned

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from smart_batching import compat
-from smart_batching.errors import ConfigError, DataError, require
+from smart_batching.errors import ConfigError, require
 from smart_batching.fallbacks import warn_fallback
 from smart_batching.inference._common import (
     _check_int,
@@ -25,78 +26,12 @@ from smart_batching.inference._decode import (
     greedy_model_blocker,
     greedy_settings_blocker,
 )
+from smart_batching.inference._engine_generate import generate_transformers, generate_vllm
+from smart_batching.inference._engines import ORDERS, resolve_engine
+from smart_batching.inference._order import shared_prefix_tokens
 from smart_batching.inference._prefix import PrefixGroups, find_prefix_groups
+from smart_batching.inference._prompts import _eos_ids, _pad_id, tokenize_prompts
 from smart_batching.inference._results import GenerationResult, GenerationStats
-
-
-def _is_messages(prompt: Any) -> bool:
-    return (
-        isinstance(prompt, Sequence)
-        and not isinstance(prompt, str)
-        and all(isinstance(m, Mapping) for m in prompt)
-    )
-
-
-def tokenize_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[list[int]]:
-    """Token ids of each prompt.
-
-    A prompt is a string (tokenised with the tokenizer's special tokens), a list of chat messages
-    (``{"role", "content"}``, rendered with the chat template and a generation prompt), or a list of
-    token ids (used as is).
-
-    Raises:
-        DataError: a prompt of another type, chat messages for a tokenizer with no chat template, or
-            a prompt with no tokens.
-    """
-    out: list[list[int] | None] = [None] * len(prompts)
-    texts: list[tuple[int, str, bool]] = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            texts.append((i, p, True))
-        elif _is_messages(p) and len(p) > 0:
-            if not getattr(tokenizer, "chat_template", None):
-                raise DataError(
-                    f"prompt {i} is a list of chat messages but the tokenizer has no chat template"
-                )
-            text = tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
-            texts.append((i, text, False))  # the template already wrote BOS and the like
-        elif isinstance(p, Sequence | np.ndarray) and all(isinstance(t, int | np.integer) for t in p):
-            out[i] = [int(t) for t in p]
-        else:
-            raise DataError(
-                f"prompt {i} must be a string, a list of chat messages or a list of token ids; got {type(p).__name__}"
-            )
-    for special in (True, False):
-        chunk = [(i, t) for i, t, s in texts if s is special]
-        if chunk:
-            ids = tokenizer([t for _, t in chunk], add_special_tokens=special)["input_ids"]
-            for (i, _), row in zip(chunk, ids, strict=True):
-                out[i] = list(row)
-    for i, row in enumerate(out):
-        if not row:
-            raise DataError(f"prompt {i} has no tokens; generation needs at least one")
-    return out  # type: ignore[return-value]
-
-
-def _eos_ids(model: Any, tokenizer: Any, generate_kwargs: Mapping[str, Any]) -> set[int]:
-    eos = generate_kwargs.get("eos_token_id")
-    if eos is None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
-
-
-def _pad_id(model: Any, tokenizer: Any, eos: set[int]) -> int:
-    for pad in (
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(model.generation_config, "pad_token_id", None),
-    ):
-        if pad is not None:
-            return int(pad)
-    return min(eos) if eos else 0
 
 
 def _expected_buckets(expected: Any, n: int, max_new_tokens: int) -> np.ndarray:
@@ -151,6 +86,8 @@ def generate(
     tokenizer: Any,
     prompts: Sequence[Any],
     *,
+    engine: str = "auto",
+    order: str = "smart",
     max_new_tokens: int = 64,
     max_tokens: int | None = None,
     max_batch_size: int | None = None,
@@ -161,27 +98,44 @@ def generate(
     progress: bool = True,
     **generate_kwargs: Any,
 ) -> GenerationResult:
-    """Generate for many prompts in token-budget batches of similar prompt length.
+    """Generate for many prompts on an engine, with smart batching's planning on top.
 
-    Greedy decoding runs in a continuous batch (:mod:`smart_batching.inference._decode`): prompts are
+    The engine (:mod:`smart_batching.inference._engines`): ``"vllm"`` (vLLM's offline
+    ``LLM.generate``; ``model`` is a ``vllm.LLM``, or a model folder loaded with prefix caching),
+    ``"transformers"`` (transformers' continuous batching, ``model.generate_batch``), ``"loop"`` (the
+    library's own loop, below), or ``"auto"``: vLLM for a ``vllm.LLM`` or a path, else the loop (on
+    CPU measured 1.57x ``generate_batch``). Engines get the prompts in the order of
+    :func:`~smart_batching.inference._order.submission_order`: prompts sharing a prefix together
+    (recursively, over a prefix tree of token ids, so the engine's prefix cache reuses it), and the
+    costliest work first (prompt + expected new tokens) so the tail is short.
+
+    On ``engine="loop"``, greedy decoding runs in a continuous batch (:mod:`smart_batching.inference._decode`): prompts are
     queued by length, longest first, a row leaves the batch when its answer ends and queued prompts
     take its place, so no step is spent on finished rows. Other decoding (sampling, beams, logits
     processors) runs ``model.generate`` on planned batches, each until its longest answer ends.
 
     Args:
-        model: A transformers causal LM, on its device, in eval mode.
-        tokenizer: Its tokenizer (used to tokenise, for the chat template and to decode).
+        model: A transformers causal LM, on its device, in eval mode; for vLLM a ``vllm.LLM`` or a
+            model folder.
+        tokenizer: Its tokenizer (used to tokenise, for the chat template and to decode); None with a
+            ``vllm.LLM`` means the engine's tokenizer.
+        engine: ``"auto"``, ``"vllm"``, ``"transformers"`` or ``"loop"`` (see above).
+        order: ``"smart"`` (prefix groups together, long work first) or ``"input"`` (as given), for
+            the ``vllm`` and ``transformers`` engines; the loop plans its own order.
         prompts: Strings, lists of chat messages (rendered with the chat template), or token id lists.
         max_new_tokens: Most new tokens per prompt.
         max_tokens: Budget in tokens: rows × (longest prompt + ``max_new_tokens``) of the running
             batch, which bounds its KV cache. None: :data:`DEFAULT_MAX_TOKENS` for the model's device.
-            A prompt longer than the budget runs alone.
-        max_batch_size: Most prompts per batch; None means no limit.
+            A prompt longer than the budget runs alone. On ``transformers``, the paged cache's size;
+            on a vLLM model folder, it sets the tokens per step (``max_num_batched_tokens``).
+        max_batch_size: Most prompts per batch (per step on ``transformers``, ``max_num_seqs`` on a
+            vLLM model folder); None means no limit (the engine's default).
         continuous_batching: None: the continuous greedy loop where it gives ``model.generate``'s
             outputs (greedy, no logits processors), else planned batches through ``model.generate``.
             True: the loop, or :class:`ConfigError` saying why not. False: always ``model.generate``.
-        expected_output_lengths: Expected new tokens of each prompt (e.g. from earlier runs), for the
-            ``model.generate`` batches only: prompts are first bucketed by it (powers of two), so a
+        expected_output_lengths: Expected new tokens of each prompt (e.g. from earlier runs): on the
+            engines, part of the expected work that orders prompts; for the loop's ``model.generate``
+            batches: prompts are first bucketed by it (powers of two), so a
             batch does not keep decoding for one long answer while its other rows are done. None: plan
             on prompt length only. The continuous loop needs no such guess.
         prefix_sharing: Group prompts sharing a prefix of at least ``min_prefix`` tokens
@@ -194,13 +148,26 @@ def generate(
     Returns:
         Texts and token ids in the order of ``prompts``, and :class:`GenerationStats`.
     """
-    require("torch", "hf")
     _check_int("max_new_tokens", max_new_tokens)
     _check_int("max_tokens", max_tokens, allow_none=True)
     _check_int("max_batch_size", max_batch_size, allow_none=True)
+    if order not in ORDERS:
+        raise ConfigError(f"order={order!r} must be one of {', '.join(map(repr, ORDERS))}")
+    generate_kwargs.setdefault("do_sample", False)
+    if compat.is_vllm_llm(model) or isinstance(model, str | os.PathLike):
+        settings = {k: v for k, v in generate_kwargs.items() if k not in ("do_sample", "pad_token_id")}
+        blocker = f"generate keywords {sorted(settings)} were given" if settings else None
+        if generate_kwargs["do_sample"]:
+            blocker = "do_sample=True"
+        resolve_engine(engine, model, continuous_batching=continuous_batching, settings_blocker=blocker)
+        return generate_vllm(
+            model, tokenizer, prompts, order=order, max_new_tokens=max_new_tokens, max_tokens=max_tokens,
+            max_batch_size=max_batch_size, expected_output_lengths=expected_output_lengths,
+            min_prefix=min_prefix,
+        )  # fmt: skip
+    require("torch", "hf")
     if max_tokens is None:
         max_tokens = _default_max_tokens(model)
-    generate_kwargs.setdefault("do_sample", False)
     for name in compat.CACHE_KWARGS:
         if name in generate_kwargs:
             raise ConfigError(f"generate() manages the KV cache itself; do not pass {name}=")
@@ -208,6 +175,18 @@ def generate(
         raise ConfigError("num_return_sequences= must be 1 (repeat the prompt to get several outputs)")
     if prefix_sharing and generate_kwargs.get("num_beams", 1) != 1:
         raise ConfigError("prefix_sharing=True works with greedy or sampling only; set num_beams=1")
+    chosen = resolve_engine(
+        engine,
+        model,
+        continuous_batching=continuous_batching,
+        settings_blocker=greedy_settings_blocker(model, generate_kwargs),
+    )
+    if chosen == "transformers":
+        return generate_transformers(
+            model, tokenizer, prompts, order=order, max_new_tokens=max_new_tokens, max_tokens=max_tokens,
+            max_batch_size=max_batch_size, expected_output_lengths=expected_output_lengths,
+            min_prefix=min_prefix, generate_kwargs=generate_kwargs,
+        )  # fmt: skip
     model_blocker = greedy_model_blocker(model) if continuous_batching is not False else None
     blocker = model_blocker
     if continuous_batching is not False and blocker is None:
@@ -277,6 +256,8 @@ def generate(
         max_tokens=int(max_tokens),
         continuous_batching=continuous,
         fallback=fallback,
+        engine="loop",
+        shared_prefix_tokens=shared_prefix_tokens(ids),
         num_decode_steps=counts["steps"],
         mean_decode_rows=counts["rows"] / counts["steps"] if counts["steps"] else 0.0,
     )

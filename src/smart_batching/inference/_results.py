@@ -24,6 +24,14 @@ class GenerationStats:
             (:class:`~smart_batching.fallbacks.FallbackWarning`).
         num_decode_steps: forward passes after the prefills (one new token per running row each).
         mean_decode_rows: rows per decode step, on average.
+        engine: what ran: ``"vllm"``, ``"transformers"`` (``generate_batch``) or ``"loop"``.
+        order: ``"smart"`` (prefix groups together, long work first), ``"input"``, or ``"planned"``
+            (the loop's own plan).
+        shared_prefix_tokens: prompt tokens that repeat a prefix of another prompt (prefix-tree
+            analysis of all prompts): what a perfect prefix cache would not compute.
+        cached_prompt_tokens: prompt tokens the engine found in its prefix cache (vLLM reports it;
+            None where the engine does not).
+        step_tokens: tokens per engine step (``max_num_batched_tokens``), None for the loop.
     """
 
     num_prompts: int
@@ -41,6 +49,18 @@ class GenerationStats:
     fallback: str | None = None
     num_decode_steps: int = 0
     mean_decode_rows: float = 0.0
+    engine: str = "loop"
+    order: str = "planned"
+    shared_prefix_tokens: int = 0
+    cached_prompt_tokens: int | None = None
+    step_tokens: int | None = None
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the engine's prefix cache / prompt tokens (None: not reported)."""
+        if self.cached_prompt_tokens is None or not self.prompt_tokens:
+            return None
+        return self.cached_prompt_tokens / self.prompt_tokens
 
     @property
     def prompts_per_s(self) -> float:
@@ -52,7 +72,11 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(prompts_per_s=self.prompts_per_s, generated_tokens_per_s=self.generated_tokens_per_s)
+        d.update(
+            prompts_per_s=self.prompts_per_s,
+            generated_tokens_per_s=self.generated_tokens_per_s,
+            cache_hit_rate=self.cache_hit_rate,
+        )
         return d
 
 
