@@ -67,27 +67,15 @@ def test_an_unexpected_failure_is_one_line_and_debug_shows_the_traceback(tmp_pat
         main(["analyze", str(path), "--debug"])
 
 
-def _tiny_trainer(tmp_path, **kwargs):
+def _tiny_trainer(make, **kwargs):
     datasets = pytest.importorskip("datasets")
-    transformers = pytest.importorskip("transformers")
     from smart_batching.hf import SmartBatchingTrainer
 
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=600,
-    )  # fmt: skip
+    model, args = make(max_steps=1)
     rows = [[1 + (i % 60)] * (10 + i) for i in range(12)]
     columns = {"input_ids": rows, **kwargs.pop("columns", {})}
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to=[],
-        max_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
     return SmartBatchingTrainer(
-        model=transformers.LlamaForCausalLM(config), args=args, train_dataset=datasets.Dataset.from_dict(columns),
+        model=model, args=args, train_dataset=datasets.Dataset.from_dict(columns),
         strategy="packed", strategy_options={"capacity": 512}, **kwargs,
     )  # fmt: skip
 
@@ -103,16 +91,16 @@ def _tiny_trainer(tmp_path, **kwargs):
         ({"columns": {"length": [7] * 12}}, "the 'length' column disagrees with input_ids"),
     ],
 )
-def test_the_trainer_refuses_lengths_that_disagree_with_the_data(tmp_path, kwargs, message):
+def test_the_trainer_refuses_lengths_that_disagree_with_the_data(tiny_llama_and_args, kwargs, message):
     from smart_batching.errors import ConfigError
 
-    trainer = _tiny_trainer(tmp_path, **kwargs)
+    trainer = _tiny_trainer(tiny_llama_and_args, **kwargs)
     with pytest.raises(ConfigError, match=re.escape(message)):
         trainer.get_train_dataloader()
 
 
-def test_correct_lengths_are_taken(tmp_path):
-    trainer = _tiny_trainer(tmp_path, lengths=[10 + i for i in range(12)])
+def test_correct_lengths_are_taken(tiny_llama_and_args):
+    trainer = _tiny_trainer(tiny_llama_and_args, lengths=[10 + i for i in range(12)])
     batches = list(trainer.get_train_dataloader())
     assert sum(int((b["labels"] != -100).sum()) for b in batches) > 0 and len(batches) >= 1
 

@@ -182,29 +182,14 @@ def test_toy_strategy_in_analyze_and_the_cli(toy):
     assert args.strategy == toy
 
 
-def test_toy_strategy_trains_in_the_hf_trainer(toy, tmp_path, one_thread):
+def test_toy_strategy_trains_in_the_hf_trainer(toy, tiny_llama_and_args, one_thread):
     datasets = pytest.importorskip("datasets")
-    transformers = pytest.importorskip("transformers")
     from smart_batching.hf import SmartBatchingTrainer
 
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
-    )  # fmt: skip
+    model, args = tiny_llama_and_args(max_steps=3)
     rows = [np.random.default_rng(i).integers(1, 64, size=int(n)).tolist() for i, n in enumerate(LENGTHS)]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to=[],
-        max_steps=3,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
     trainer = SmartBatchingTrainer(
-        model=transformers.LlamaForCausalLM(config), args=args,
-        train_dataset=datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}),
         strategy=toy, strategy_options={"batch_size": 4},
     )  # fmt: skip
     result = trainer.train()
