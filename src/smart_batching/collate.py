@@ -7,10 +7,20 @@ given, :class:`PackingCollator` packs all the examples it is given into one row.
 Features are mappings with:
 
 * ``input_ids``: token ids (list, NumPy array or 1-D tensor).
-* ``labels`` (optional): per-token targets; default a copy of ``input_ids`` (causal LM).
-* ``completion_mask`` (optional): 1 on tokens to train on, 0 on the prompt; 0 tokens get ``-100``.
-* ``prompt_length`` (optional): number of leading prompt tokens whose labels become ``-100``.
+* ``labels`` (optional): per-token targets, used as they are (``-100`` excluded from the loss), as HF
+  and TRL use a ``labels`` column. Without it labels are a copy of ``input_ids`` (causal LM) with the
+  prompt masked by the next three fields.
+* ``completion_mask`` / ``assistant_masks`` (optional, no ``labels``): 1 on tokens to train on; 0 tokens
+  get ``-100`` (TRL's columns: TRL folds them into ``labels`` during dataset preparation and then
+  drops them, so with ``labels`` present a leftover mask column is not applied).
+* ``prompt_length`` (optional, no ``labels``): number of leading prompt tokens whose labels become ``-100``.
 * ``token_type_ids`` (optional, BERT-like models): carried along, padded with 0.
+* ``seq_lengths`` or ``position_ids`` (optional): the feature is a row that already holds several
+  documents (TRL ``packing=True`` writes ``seq_lengths``; ``position_ids`` restart at each document).
+  :class:`PackingCollator` keeps the documents apart (positions restart, no attention across them, the
+  first label of each is ``-100``); :class:`PaddingCollator` refuses such a row, since padding it would
+  let its documents attend to each other. The samplers plan the documents of packed rows as units of
+  their own (:mod:`smart_batching.units`), so each feature they hand over is one document.
 * ``segment_start`` / ``segment_length`` (optional): use only tokens
   ``[segment_start, segment_start + segment_length)`` of the example (all per-token fields are
   sliced alike, ``prompt_length`` is shifted). Planners emit these for overlong examples they
@@ -28,7 +38,10 @@ import torch
 
 from smart_batching.errors import ConfigError, DataError
 
-_PER_TOKEN = ("input_ids", "labels", "completion_mask", "token_type_ids")
+_PER_TOKEN = ("input_ids", "labels", "completion_mask", "assistant_masks", "token_type_ids", "position_ids")
+_MASKS = ("completion_mask", "assistant_masks")
+DOCUMENTS = "seq_lengths"
+"""Key of an example's document lengths, from :func:`_examples` (a row that holds several documents)."""
 
 
 def _as_1d(value: Any, name: str, index: int) -> np.ndarray:
@@ -45,7 +58,8 @@ def _as_1d(value: Any, name: str, index: int) -> np.ndarray:
 def _example(
     feature: Mapping[str, Any], index: int, max_length: int | None, label_pad_token_id: int
 ) -> dict[str, np.ndarray]:
-    """Slice, truncate and prompt-mask one feature; returns int64 arrays of equal length."""
+    """Slice, truncate and prompt-mask one feature; returns int64 arrays of equal length, plus
+    ``seq_lengths`` (document lengths) when the feature is a row of several documents."""
     if "input_ids" not in feature:
         raise DataError(f"feature {index} has no 'input_ids' (keys: {sorted(feature)})")
     fields = {k: _as_1d(feature[k], k, index) for k in _PER_TOKEN if feature.get(k) is not None}
@@ -54,6 +68,7 @@ def _example(
         if arr.size != n:
             raise DataError(f"feature {index}: {name} has {arr.size} values but input_ids has {n}")
     prompt_length = int(feature.get("prompt_length") or 0)
+    docs = _documents(feature, fields.pop("position_ids", None), n, index)  # (num_docs,) or None
 
     start = feature.get("segment_start")
     seg_len = feature.get("segment_length")
@@ -64,18 +79,54 @@ def _example(
             raise DataError(
                 f"feature {index}: segment_start={start}, segment_length={seg_len} fall outside its {n} tokens"
             )
+        if docs is not None:
+            ends = np.cumsum(docs)
+            doc = int(np.searchsorted(ends, start, side="right"))
+            if stop > start and (doc >= docs.size or stop > ends[doc]):
+                raise DataError(
+                    f"feature {index}: the window [{start}, {stop}) crosses a document boundary of its packed "
+                    f"row (seq_lengths {docs.tolist()}); plan the row's documents as units (smart_batching.units)"
+                )
+            docs = None  # the window is (part of) one document
         fields = {k: v[start:stop] for k, v in fields.items()}
         prompt_length = max(prompt_length - start, 0)
     if max_length is not None:
+        if docs is not None and int(docs.sum()) > max_length:
+            ends = np.minimum(np.cumsum(docs), max_length)
+            docs = np.diff(ends, prepend=0)
+            docs = docs[docs > 0]
         fields = {k: v[:max_length] for k, v in fields.items()}
 
-    labels = fields["labels"].copy() if "labels" in fields else fields["input_ids"].copy()
-    if prompt_length:
-        labels[:prompt_length] = label_pad_token_id
-    if "completion_mask" in fields:
-        labels[fields.pop("completion_mask") == 0] = label_pad_token_id
+    masks = [fields.pop(m) for m in _MASKS if m in fields]
+    if "labels" in fields:
+        labels = fields["labels"].copy()  # as given: HF and TRL use a labels column as is
+    else:
+        labels = fields["input_ids"].copy()
+        if prompt_length:
+            labels[:prompt_length] = label_pad_token_id
+        for mask in masks:
+            labels[mask == 0] = label_pad_token_id
     fields["labels"] = labels
+    if docs is not None and docs.size > 1:
+        fields[DOCUMENTS] = docs
     return fields
+
+
+def _documents(
+    feature: Mapping[str, Any], position_ids: np.ndarray | None, n: int, index: int
+) -> np.ndarray | None:
+    """Document lengths of a packed row from ``seq_lengths`` or ``position_ids`` restarts; None for one."""
+    seq_lengths = feature.get(DOCUMENTS)
+    if seq_lengths is not None:
+        docs = _as_1d(seq_lengths, DOCUMENTS, index)
+        if int(docs.sum()) != n or (docs.size and int(docs.min()) < 0):
+            raise DataError(f"feature {index}: seq_lengths {docs.tolist()} do not add up to its {n} tokens")
+        return docs[docs > 0]
+    if position_ids is None or n == 0:
+        return None
+    # A document starts where the positions do not continue the previous token's (TRL, flash attention).
+    starts = np.flatnonzero(np.diff(position_ids, prepend=position_ids[0] - 2) != 1)  # (num_docs,)
+    return np.diff(np.append(starts, n))
 
 
 def _examples(
@@ -84,7 +135,7 @@ def _examples(
     if len(features) == 0:
         raise DataError("cannot collate an empty batch (0 features)")
     examples = [_example(f, i, max_length, label_pad_token_id) for i, f in enumerate(features)]
-    keys = {frozenset(e) for e in examples}
+    keys = {frozenset(e) - {DOCUMENTS} for e in examples}
     if len(keys) > 1:
         raise DataError(
             f"features disagree on their fields ({sorted(sorted(k) for k in keys)}); "
@@ -150,6 +201,15 @@ class PaddingCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         examples = _examples(features, self.max_length, self.label_pad_token_id)
+        packed = [i for i, e in enumerate(examples) if DOCUMENTS in e]
+        if packed:
+            e = examples[packed[0]]
+            raise DataError(
+                f"feature {packed[0]} is a packed row of {e[DOCUMENTS].size} documents (seq_lengths "
+                f"{e[DOCUMENTS].tolist()}): padding it would let them attend to each other. Plan its documents "
+                "as units (SmartBatchSampler(units=smart_batching.units.plan_units(..., documents=...)); the "
+                "Trainer integration does) or collate it with PackingCollator"
+            )
         lengths = np.array([e["input_ids"].size for e in examples], dtype=np.int64)
         num_rows = lengths.size
         width = int(lengths.max())
@@ -240,13 +300,16 @@ class PackingCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int]:
         examples = _examples(features, self.max_length, self.label_pad_token_id)
-        lengths = np.array([e["input_ids"].size for e in examples], dtype=np.int64)
-        empty = np.flatnonzero(lengths == 0)
-        if empty.size:
+        empty = [i for i, e in enumerate(examples) if e["input_ids"].size == 0]
+        if empty:
             raise DataError(
-                f"feature {int(empty[0])} has no tokens (after slicing/truncation); drop empty examples "
-                "before packing"
+                f"feature {empty[0]} has no tokens (after slicing/truncation): drop empty examples before "
+                "packing (SmartBatchSampler and the Trainer integration leave them out of the plan)"
             )
+        # Documents, not features, are the sequences: a packed row contributes each of its documents.
+        lengths = np.concatenate(
+            [e.pop(DOCUMENTS) if DOCUMENTS in e else np.array([e["input_ids"].size]) for e in examples]
+        ).astype(np.int64)  # (num_docs,)
         total = int(lengths.sum())
         cu = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])

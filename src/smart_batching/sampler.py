@@ -43,6 +43,7 @@ from torch.utils.data import Dataset, Sampler
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan, Segment, as_lengths
 from smart_batching.planners import make_spec, plan_batches
+from smart_batching.units import PlanUnits, plan_units
 
 STATE_VERSION = 1
 
@@ -96,21 +97,46 @@ class SmartBatchSampler(Sampler[list[int]]):
         spec_or_name: A planner spec (e.g. ``PackedSpec(capacity=4096)``) or a strategy name.
         seed: Base seed; epoch ``e`` uses the plan of ``(lengths, spec, seed, e)``.
         epoch: The epoch to start at.
+        units: What to plan when it is not every row (:func:`~smart_batching.units.plan_units`: fully
+            masked examples left out, packed rows split into their documents); None plans every row
+            with tokens.
+        empty_examples: Examples with no tokens (``lengths`` 0): ``"skip"`` leaves them out of the plan
+            with one :class:`~smart_batching.units.EmptyExamplesWarning` naming their rows, ``"error"``
+            raises :class:`~smart_batching.errors.DataError`. Ignored when ``units`` is given.
         **options: The spec's fields when ``spec_or_name`` is a name, e.g. ``max_tokens=8192``.
 
     Attributes:
-        yields_segments: True when the plan cuts examples (truncate/split); keys are then
-            :class:`Segment` and the dataset must be wrapped in :class:`SegmentDataset`.
+        yields_segments: True when the plan cuts examples (truncate/split) or plans windows of rows
+            (documents of packed rows); keys are then :class:`Segment` and the dataset must be wrapped
+            in :class:`SegmentDataset`.
+        units: The planned units (:class:`~smart_batching.units.PlanUnits`); ``units.skipped`` counts
+            the examples left out. Plans index units, which are dataset rows unless rows were skipped
+            or split.
 
     ``len(sampler)`` is the number of batches of the current epoch (all of them, also after a resume
     mid-epoch). Iterating starts at the cursor; see the module docstring for the epoch rules.
     """
 
     def __init__(
-        self, lengths: Any, spec_or_name: Any, *, seed: int = 0, epoch: int = 0, **options: Any
+        self,
+        lengths: Any,
+        spec_or_name: Any,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        units: PlanUnits | None = None,
+        empty_examples: str = "skip",
+        **options: Any,
     ) -> None:
         self.spec = make_spec(spec_or_name, **options)
-        self.lengths = as_lengths(lengths)
+        if units is None:
+            units = plan_units(lengths, empty_examples=empty_examples)
+        elif units.num_rows != as_lengths(lengths).shape[0]:
+            raise ConfigError(
+                f"units= were made for {units.num_rows} rows but lengths= has {as_lengths(lengths).shape[0]}"
+            )
+        self.units = units
+        self.lengths = units.lengths  # what the planner plans: (num_units,)
         self.seed = _non_negative("seed", seed)
         self._epoch = _non_negative("epoch", epoch)
         self._batches_yielded = 0
@@ -119,7 +145,9 @@ class SmartBatchSampler(Sampler[list[int]]):
         plan = self._current_plan()
         self.fingerprint = plan.fingerprint
         self.lengths_fingerprint = plan.lengths_fingerprint
-        self.yields_segments = bool(plan.overlong.num_truncated or plan.overlong.num_split)
+        self.yields_segments = bool(
+            plan.overlong.num_truncated or plan.overlong.num_split or units.splits_rows
+        )
 
     # -- plans ------------------------------------------------------------------------------------
 
@@ -160,12 +188,16 @@ class SmartBatchSampler(Sampler[list[int]]):
     def batch_keys(self, plan: BatchPlan, b: int) -> list[Any]:
         """Dataset keys of batch ``b`` of ``plan``: ints, or :class:`Segment` when ``yields_segments``."""
         lo, hi = plan.segment_range(b)
-        ids = plan.example_ids[lo:hi].tolist()
-        if not self.yields_segments:
-            return ids
-        starts = plan.seg_starts[lo:hi].tolist()
-        lens = plan.seg_lengths[lo:hi].tolist()
-        return [Segment(e, s, n) for e, s, n in zip(ids, starts, lens, strict=True)]
+        return self.keys_of(plan, np.arange(lo, hi))
+
+    def keys_of(self, plan: BatchPlan, segs: np.ndarray) -> list[Any]:
+        """Dataset keys of segments ``segs`` (positions in ``plan``), mapped through :attr:`units`."""
+        ids = plan.example_ids[segs]
+        if self.units.identity and not self.yields_segments:
+            return ids.tolist()
+        return self.units.keys(
+            ids, plan.seg_starts[segs], plan.seg_lengths[segs], segments=self.yields_segments
+        )
 
     # -- torch sampler protocol -----------------------------------------------------------------
 

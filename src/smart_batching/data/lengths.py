@@ -141,6 +141,33 @@ def lengths_from_dataset(ds: Any, column: str | None = None) -> np.ndarray:
     return full if idx is None else full[idx]
 
 
+def list_column(ds: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column of a ``datasets.Dataset`` as flat values and offsets, in the dataset's row order.
+
+    Returns:
+        ``(values, offsets)``: the concatenated lists (NumPy, the column's dtype) and (num_rows + 1,)
+        int64 offsets; row ``i`` is ``values[offsets[i]:offsets[i + 1]]``. A null list counts as empty.
+
+    Raises:
+        DataError: the column is missing or is not a list column.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column not in _column_names(ds) or not _is_list_type(_arrow_type(ds, column)):
+        raise DataError(f"column={column!r} is not a list column of the dataset ({_column_names(ds)})")
+    chunked = ds.data.column(column)
+    idx = _underlying_indices(ds)
+    if idx is not None:
+        chunked = chunked.take(pa.array(idx))
+    arr = chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
+    counts = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)  # (num_rows,)
+    offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
 def _auto_length_column(ds: Any) -> str | None:
     cols = _column_names(ds)
     for name in LENGTH_COLUMNS:

@@ -33,7 +33,7 @@ from smart_batching.distributed import DistributedPlan, World, distribute
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
 from smart_batching.planners import plan_batches
-from smart_batching.sampler import Segment, SmartBatchSampler
+from smart_batching.sampler import SmartBatchSampler
 
 
 class DistributedSmartBatchSampler(SmartBatchSampler):
@@ -101,13 +101,7 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
     def _unit_keys(self, d: DistributedPlan, unit: int) -> list[Any]:
         if unit < 0:
             return []
-        segs = d.unit_segments(unit)
-        ids = d.base.example_ids[segs].tolist()
-        if not self.yields_segments:
-            return ids
-        starts = d.base.seg_starts[segs].tolist()
-        lens = d.base.seg_lengths[segs].tolist()
-        return [Segment(e, s, n) for e, s, n in zip(ids, starts, lens, strict=True)]
+        return self.keys_of(d.base, d.unit_segments(unit))
 
     # -- torch sampler protocol -----------------------------------------------------------------
 

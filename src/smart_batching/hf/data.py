@@ -10,11 +10,22 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from smart_batching.plan import as_lengths
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec, spec_class
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
+from smart_batching.units import PlanUnits, plan_units
 
 # Columns the collators read; everything else (text, messages, ...) is left out of the fetch.
-MODEL_INPUT_COLUMNS = ("input_ids", "labels", "completion_mask", "prompt_length", "token_type_ids")
+MODEL_INPUT_COLUMNS = (
+    "input_ids",
+    "labels",
+    "completion_mask",
+    "assistant_masks",
+    "prompt_length",
+    "token_type_ids",
+    "seq_lengths",
+    "position_ids",
+)
 
 
 def dataset_lengths(
@@ -82,6 +93,93 @@ def checked_lengths(dataset: Any, lengths: Any, length_column: str | None) -> np
     return lengths
 
 
+def dataset_units(dataset: Any, lengths: np.ndarray, *, empty_examples: str = "skip") -> PlanUnits:
+    """The units to plan for ``dataset``: its rows, less the empty and fully masked ones, with packed
+    rows split into their documents (:mod:`smart_batching.units`).
+
+    Read column-wise from a ``datasets.Dataset`` (Arrow buffers, no Python work per row):
+
+    * documents: a ``seq_lengths`` column (TRL ``packing=True``), else ``position_ids`` restarts;
+    * targets: a ``labels`` column (a unit with every label ``-100`` is fully masked, TRL's rule), else
+      ``completion_mask`` / ``assistant_masks`` (all 0) and ``prompt_length`` (covering the example).
+
+    Another map-style dataset is planned by rows, empty ones (length 0) left out.
+
+    Args:
+        dataset: The training dataset.
+        lengths: (num_rows,) its token lengths (:func:`checked_lengths`).
+        empty_examples: ``"skip"`` or ``"error"`` (see :func:`~smart_batching.units.plan_units`).
+    """
+    columns = getattr(dataset, "column_names", None) or []
+    if not (columns and hasattr(dataset, "data") and "input_ids" in columns):
+        return plan_units(lengths, empty_examples=empty_examples)
+    from smart_batching.data.lengths import list_column
+
+    documents = None
+    if "seq_lengths" in columns:
+        doc_lengths, doc_offsets = list_column(dataset, "seq_lengths")
+        documents = (doc_lengths.astype(np.int64), np.diff(doc_offsets))
+    elif "position_ids" in columns:
+        positions, offsets = list_column(dataset, "position_ids")
+        documents = _documents_from_positions(positions.astype(np.int64), offsets)
+    units_per_row = np.ones(len(lengths), dtype=np.int64) if documents is None else documents[1]
+    unit_lengths = np.asarray(lengths, dtype=np.int64) if documents is None else documents[0]
+    masked = _fully_masked(dataset, columns, unit_lengths, units_per_row)
+    return plan_units(lengths, masked=masked, documents=documents, empty_examples=empty_examples)
+
+
+def _documents_from_positions(positions: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Documents of packed rows from ``position_ids``: a document starts at each row start and wherever
+    the position does not continue the previous token's (TRL's and flash attention's rule)."""
+    total = positions.shape[0]
+    starts = np.zeros(total, dtype=bool)  # (total,)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    starts[offsets[:-1][offsets[:-1] < total]] = True
+    where = np.flatnonzero(starts)  # (num_docs,)
+    doc_lengths = np.diff(np.append(where, total))
+    docs_per_row = np.diff(np.searchsorted(where, offsets))  # (num_rows,)
+    return doc_lengths, docs_per_row
+
+
+def _fully_masked(
+    dataset: Any, columns: list[str], unit_lengths: np.ndarray, units_per_row: np.ndarray
+) -> np.ndarray | None:
+    """(num_units,) True where a unit has tokens but no target token; None when nothing can say."""
+    from smart_batching.data.lengths import _arrow_type, _is_list_type, list_column
+
+    if "labels" in columns:
+        if not _is_list_type(_arrow_type(dataset, "labels")):
+            return None  # one label per example (classification): every example is a target
+        values, _ = list_column(dataset, "labels")
+        target = values != -100  # (total,)
+    else:
+        masks = [c for c in ("completion_mask", "assistant_masks") if c in columns]
+        if not masks and "prompt_length" not in columns:
+            return None
+        target = np.ones(int(unit_lengths.sum()), dtype=bool)
+        for name in masks:
+            values, _ = list_column(dataset, name)
+            target &= values != 0
+        if "prompt_length" in columns:
+            prompt = np.asarray(dataset["prompt_length"], dtype=np.int64)  # (num_rows,)
+            prompt = np.repeat(prompt, units_per_row)  # whole rows here: no documents without labels
+            return (unit_lengths > 0) & (prompt >= unit_lengths) | _none_in_units(target, unit_lengths)
+    if target.shape[0] != int(unit_lengths.sum()):
+        return None  # label lists that do not match input_ids: the collator reports it
+    return _none_in_units(target, unit_lengths)
+
+
+def _none_in_units(target: np.ndarray, unit_lengths: np.ndarray) -> np.ndarray:
+    """(num_units,) True where a unit of ``unit_lengths`` tokens has tokens but no True in ``target``."""
+    if not target.size:
+        return np.zeros(unit_lengths.shape[0], dtype=bool)
+    starts = np.minimum(np.cumsum(unit_lengths) - unit_lengths, target.size - 1)  # (num_units,)
+    counts = np.add.reduceat(
+        target.astype(np.int64), starts
+    )  # an empty unit reads its neighbour: masked below
+    return (unit_lengths > 0) & (counts == 0)
+
+
 def model_input_dataset(dataset: Any) -> Any:
     """``dataset`` restricted to the columns the collators read (``datasets.Dataset`` only)."""
     names = getattr(dataset, "column_names", None)
@@ -129,6 +227,7 @@ def smart_dataloader(
     collate_fn: Callable | None = None,
     pad_token_id: int = 0,
     loader_cls: type = DataLoader,
+    empty_examples: str = "skip",
     **options: Any,
 ) -> DataLoader:
     """A DataLoader over planned batches, for plain PyTorch / accelerate loops.
@@ -141,6 +240,8 @@ def smart_dataloader(
         collate_fn: None picks :func:`make_collator` for the strategy.
         pad_token_id: For the padding collator.
         loader_cls: ``DataLoader`` or ``torchdata.stateful_dataloader.StatefulDataLoader``.
+        empty_examples: Examples with no tokens or no target token (:func:`dataset_units`): ``"skip"``
+            (left out of the plan, one warning naming their rows) or ``"error"``.
         **options: Strategy options (``max_tokens=``, ``capacity=``...) and DataLoader keywords
             (``num_workers=``, ``pin_memory=``...): names a spec field are planner options.
 
@@ -152,7 +253,8 @@ def smart_dataloader(
     loader_options = {k: v for k, v in options.items() if k not in spec_fields}
     if lengths is None:
         lengths = dataset_lengths(dataset)
-    sampler = SmartBatchSampler(lengths, strategy, seed=seed, **plan_options)
+    units = dataset_units(dataset, as_lengths(lengths), empty_examples=empty_examples)
+    sampler = SmartBatchSampler(lengths, strategy, seed=seed, units=units, **plan_options)
     data = model_input_dataset(dataset)
     if sampler.yields_segments:
         data = SegmentDataset(data)

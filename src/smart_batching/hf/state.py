@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -18,6 +18,9 @@ class SmartBatchingState:
         length_column: dataset column of precomputed lengths.
         streaming_buffer_size: examples planned at a time when ``train_dataset`` is streamed.
         target_logits_only: the caller's setting; ``target_logits`` is what the first step decided.
+        empty_examples: ``"skip"`` or ``"error"`` for examples with no tokens or no target token.
+        upstream: what the trainer's own data settings (TRL ``SFTConfig``, ``TrainingArguments``) came
+            to, one line each (:func:`smart_batching.hf.upstream.check_upstream_options`).
         sampler: the batch sampler of a map-style ``train_dataset`` (set by ``get_train_dataloader``).
         stream: the ``StreamingBatchDataset`` of a streamed ``train_dataset``.
         even_steps: its lockstep wrapper on several processes.
@@ -38,6 +41,8 @@ class SmartBatchingState:
     streaming_buffer_size: int = 10_000
     target_logits_only: bool = True
     target_logits: bool | None = None
+    empty_examples: str = "skip"
+    upstream: dict[str, str] = field(default_factory=dict)
     sampler: Any = None
     stream: Any = None
     even_steps: Any = None

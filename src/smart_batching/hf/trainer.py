@@ -20,6 +20,7 @@ from smart_batching.hf.data import (
     _is_iterable,
     checked_lengths,
     dataset_lengths,
+    dataset_units,
     default_pad_token_id,
     make_collator,
     model_input_dataset,
@@ -72,6 +73,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         shift_labels: bool | None = None,
         streaming_buffer_size: int = 10_000,
         target_logits_only: bool = True,
+        empty_examples: str = "skip",
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -87,6 +89,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             replace_collator=not user_collator,
             streaming_buffer_size=streaming_buffer_size,
             target_logits_only=target_logits_only,
+            empty_examples=empty_examples,
         )
 
     def setup_smart_batching(
@@ -102,6 +105,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         replace_collator: bool = True,
         streaming_buffer_size: int = 10_000,
         target_logits_only: bool = True,
+        empty_examples: str = "skip",
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -128,6 +132,11 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                 ``forward`` takes ``logits_to_keep``, the token-normalised loss (no label smoother, no
                 ``compute_loss_func`` of yours, no ``compute_loss`` override in a subclass such as
                 TRL's ``SFTTrainer``), no router auxiliary loss.
+            empty_examples: Examples with no tokens or no target token (every label ``-100``; found from
+                the lengths and the label columns before step 1, see :func:`~smart_batching.hf.data.dataset_units`):
+                ``"skip"`` leaves them out of the plan and names the first rows in one warning (HF and
+                TRL train around them too), ``"error"`` refuses them with
+                :class:`~smart_batching.errors.DataError`. Streamed datasets skip them as they come.
 
         Raises:
             ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
@@ -149,6 +158,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             length_column=length_column,
             streaming_buffer_size=int(streaming_buffer_size),
             target_logits_only=bool(target_logits_only),
+            empty_examples=_empty_policy(empty_examples),
             auto_budget=budget,
             guard=previous.guard if previous is not None else None,  # one guard, however often set up
         )
@@ -226,6 +236,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         lengths = checked_lengths(
             self.train_dataset, self.smart_batching.lengths, self.smart_batching.length_column
         )
+        units = dataset_units(self.train_dataset, lengths, empty_examples=self.smart_batching.empty_examples)
         args = self.args
         if args.world_size > 1:
             from smart_batching.distributed import World
@@ -237,6 +248,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                 world=World(args.process_index, args.world_size),
                 accum_steps=args.gradient_accumulation_steps,
                 seed=self.smart_batching.seed,
+                units=units,
             )
             if sampler.distributed_plan().num_empty_slots:
                 raise ConfigError(
@@ -245,7 +257,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                     "Lower gradient_accumulation_steps= or the number of processes."
                 )
             return sampler
-        return SmartBatchSampler(lengths, self.smart_batching.spec, seed=self.smart_batching.seed)
+        return SmartBatchSampler(
+            lengths, self.smart_batching.spec, seed=self.smart_batching.seed, units=units
+        )
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -324,6 +338,14 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
 
         self.smart_batching.even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
         return DataLoader(self.smart_batching.even_steps, batch_size=None, num_workers=0)
+
+
+def _empty_policy(value: str) -> str:
+    from smart_batching.units import EMPTY_POLICIES
+
+    if value not in EMPTY_POLICIES:
+        raise ConfigError(f"empty_examples={value!r} must be one of {', '.join(EMPTY_POLICIES)}")
+    return value
 
 
 class SmartBatchingTrainer(SmartBatchingMixin, Trainer):
