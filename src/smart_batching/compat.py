@@ -23,6 +23,7 @@ Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_
                                           :data:`TRAINER_ATTRIBUTES`
 DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
 accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
+Trainer's column removal                  :func:`remove_unused_columns`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
@@ -224,6 +225,18 @@ def last_checkpoint(output_dir: str) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
     return get_last_checkpoint(output_dir)
+
+
+def remove_unused_columns(trainer: Any, dataset: Any) -> Any:
+    """``dataset`` less the columns the trainer's model does not take, by the Trainer's own rule
+    (``TrainingArguments.remove_unused_columns``; TRL's ``SFTTrainer`` also keeps ``seq_lengths``), for a
+    train DataLoader that smart batching builds around the caller's own ``data_collator``.
+
+    Relies on ``Trainer._remove_unused_columns(dataset, description)`` (private; transformers 4 and 5).
+    """
+    if not getattr(trainer.args, "remove_unused_columns", True):
+        return dataset
+    return trainer._remove_unused_columns(dataset, description="training")
 
 
 def make_shard_passthrough(loader: Any, sampler: Any) -> bool:

@@ -29,6 +29,7 @@ from smart_batching.hf.loss import TokenLossMixin, _detect_shift_labels
 from smart_batching.hf.packed_model import prepare_packed_model
 from smart_batching.hf.resume import ResumeMixin
 from smart_batching.hf.state import SmartBatchingState
+from smart_batching.hf.upstream import collator_options, resolve_upstream
 from smart_batching.loss import TokenLoss
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
@@ -144,7 +145,11 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         """
         compat.check_trainer_hooks()
         args = self.args
-        options = dict(strategy_options or {})
+        if length_column == "length" and getattr(args, "length_column_name", "length") != "length":
+            length_column = args.length_column_name  # TrainingArguments(length_column_name=...)
+        options, upstream = resolve_upstream(
+            self, strategy, dict(strategy_options or {}), own_collator=replace_collator
+        )
         budget = None
         if "auto" in (options.get("max_tokens"), options.get("capacity")):
             options, budget = self._resolve_auto_budget(strategy, options, lengths, length_column)
@@ -159,13 +164,16 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             streaming_buffer_size=int(streaming_buffer_size),
             target_logits_only=bool(target_logits_only),
             empty_examples=_empty_policy(empty_examples),
+            upstream=upstream,
             auto_budget=budget,
             guard=previous.guard if previous is not None else None,  # one guard, however often set up
         )
 
         if replace_collator:
             pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
-            self.data_collator = make_collator(self.smart_batching.spec, pad_token_id=pad)
+            self.data_collator = make_collator(
+                self.smart_batching.spec, pad_token_id=pad, **collator_options(self, self.smart_batching.spec)
+            )
 
         if self.smart_batching.spec.packs_rows:
             from smart_batching.attention import install_packed_guard
@@ -184,16 +192,8 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             self.smart_batching.token_loss = TokenLoss(shift_labels=shift)
             self.compute_loss_func = self.smart_batching.token_loss
 
-        if args.train_sampling_strategy not in compat.TRAINER_DEFAULT_SAMPLING:
-            logger.warning(
-                "train_sampling_strategy=%r is ignored: smart batching plans the batches (strategy %r)",
-                args.train_sampling_strategy,
-                self.smart_batching.spec.name,
-            )
-        if args.dataloader_drop_last:
-            logger.warning(
-                "dataloader_drop_last is ignored: set drop_last in strategy_options where the strategy has it"
-            )
+        if upstream:
+            logger.info("smart batching: from the trainer's arguments: %s", upstream)
 
     # -- data ---------------------------------------------------------------------------------------
 
@@ -278,7 +278,12 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                 # One width for every row (max_length): the planned width, not the batch's longest.
                 self.data_collator.pad_to_multiple_of = int(plan.batch_width[0])
 
-        dataset = model_input_dataset(self.train_dataset)
+        from smart_batching.collate import PackingCollator
+
+        if isinstance(self.data_collator, (PaddingCollator, PackingCollator)):
+            dataset = model_input_dataset(self.train_dataset)  # only the columns our collators read
+        else:  # the caller's collator: the columns HF would give it
+            dataset = compat.remove_unused_columns(self, self.train_dataset)
         if sampler.yields_segments:
             dataset = SegmentDataset(dataset)
         args = self.args
