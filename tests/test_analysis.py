@@ -185,10 +185,27 @@ def test_format_table_aligned():
 
 
 def test_all_empty_examples():
-    recs = analyze([0, 0, 0])
-    assert all(r["real_tokens"] == 0 for r in recs)
-    assert any(r["relative_compute"] is None for r in recs)  # max_length pads to one token
+    """Empty examples are left out of every plan (as the samplers and the Trainer do), counted and warned
+    about; with nothing left no strategy spends a slot."""
+    from smart_batching.units import EmptyExamplesWarning
+
+    with pytest.warns(EmptyExamplesWarning, match="3 empty example"):
+        recs = analyze([0, 0, 0])
+    assert all(r["real_tokens"] == 0 and r["token_slots"] == 0 for r in recs)
+    assert all(r["num_examples"] == 3 and r["num_empty"] == 3 for r in recs)
+    assert all(r["relative_compute"] == 1.0 and r["efficiency"] is None for r in recs)
     format_table(recs)
+
+
+def test_empty_examples_skipped_or_refused():
+    from smart_batching.errors import DataError
+    from smart_batching.units import EmptyExamplesWarning
+
+    with pytest.warns(EmptyExamplesWarning, match="rows 1, 3"):
+        recs = analyze([5, 0, 7, 0, 3], batch_size=2)
+    assert all(r["num_empty"] == 2 and r["num_segments"] == 3 and r["real_tokens"] == 15 for r in recs)
+    with pytest.raises(DataError, match="empty_examples='skip'"):
+        analyze([5, 0, 7], empty_examples="error")
 
 
 @settings(max_examples=40, deadline=None)

@@ -100,7 +100,10 @@ def _check_contract(
             got.setdefault(e, []).append((s, lengths[e] if n is None else n))
     stats = b.stats
     dropped = [i for i in range(len(lengths)) if i not in got]
-    assert stats.num_dropped == len(dropped)
+    # Empty examples are skipped (counted in num_empty), the overlong policy's drops in num_dropped.
+    assert stats.num_empty == sum(1 for n in lengths if n == 0)
+    assert all(lengths[i] > 0 for i in got)
+    assert stats.num_dropped == len(dropped) - stats.num_empty
     assert stats.num_examples == len(lengths)
     over = [i for i, n in enumerate(lengths) if limit is not None and n > limit]
     assert stats.num_over_limit == len(over)
@@ -113,6 +116,8 @@ def _check_contract(
             assert pieces == [(0, limit)]
         elif limit is not None and n > limit and policy == "split":
             assert pieces == [(s, min(limit, n - s)) for s in range(0, n, limit)]
+        elif not pieces and n == 0:
+            continue  # skipped as empty
         elif not pieces:
             tail_dropped += 1  # drop_last at the end of the stream
         else:

@@ -193,6 +193,23 @@ def plan_units(
     )
 
 
+def no_target_token(example: Any) -> bool:
+    """One tokenized example (a mapping) has tokens but no target token: every ``labels`` entry is
+    ``-100``, or (no ``labels``) its ``completion_mask`` / ``assistant_masks`` are all 0 or its
+    ``prompt_length`` covers it. Scalar labels (classification) are always a target."""
+    labels = example.get("labels")
+    if labels is not None:
+        arr = np.asarray(labels)
+        return arr.ndim == 1 and arr.size > 0 and not bool((arr != -100).any())
+    for name in ("completion_mask", "assistant_masks"):
+        mask = example.get(name)
+        if mask is not None and len(mask) and not np.asarray(mask).any():
+            return True
+    prompt = example.get("prompt_length")
+    ids = example.get("input_ids")
+    return prompt is not None and ids is not None and len(ids) > 0 and int(prompt) >= len(ids)
+
+
 def describe_skipped(skipped: SkippedCounts, where: str = "dataset row") -> str:
     """One phrase for a warning or error: counts by kind and the first rows."""
     parts = []
@@ -236,5 +253,6 @@ __all__ = [
     "PlanUnits",
     "SkippedCounts",
     "describe_skipped",
+    "no_target_token",
     "plan_units",
 ]

@@ -42,6 +42,7 @@ from smart_batching.planners import (
     plan_batches,
     spec_class,
 )
+from smart_batching.units import plan_units
 
 DEFAULT_STRATEGIES = analysis_rows()
 """Rows shown by default: every built-in strategy and its ``name[variant]`` rows (e.g. ``group_by_length[sorted]``)."""
@@ -106,6 +107,7 @@ def analyze(
     strategies: list[str] | tuple[str, ...] | None = None,
     seed: int = 0,
     overlong: str = "truncate",
+    empty_examples: str = "skip",
 ) -> list[dict[str, Any]]:
     """Plan one epoch with each strategy on the same lengths and measure padding and compute.
 
@@ -120,6 +122,9 @@ def analyze(
         seed: seed of every plan (epoch 0).
         overlong: policy for examples over ``min(max_tokens, capacity)`` tokens: ``"truncate"``,
             ``"split"``, ``"drop"`` or ``"error"``.
+        empty_examples: examples with no tokens are left out of every plan (``"skip"``, counted in
+            ``num_empty`` and named in one warning, as the samplers and the Trainer do) or refused
+            (``"error"``).
 
     Returns:
         One dict per strategy, in the order asked: ``strategy``, ``efficiency`` (real tokens / token
@@ -128,7 +133,7 @@ def analyze(
         (token slots / the fewest token slots of any row; None where that is 0 and this row's is
         not), ``mean_examples_per_batch``, ``max_slots_per_batch`` (peak padded tokens of one batch), ``num_over_limit``,
         ``num_truncated``, ``truncated_tokens``, ``num_split``, ``num_dropped``, ``dropped_tokens``,
-        ``lower_bound_rows`` and ``rows_over_lower_bound`` (packing, else None), ``plan_seconds``
+        ``num_empty`` (examples left out with no tokens), ``lower_bound_rows`` and ``rows_over_lower_bound`` (packing, else None), ``plan_seconds``
         (after a warm-up on 256 examples, so kernel compilation is not counted) and ``settings`` (the
         shared settings and the spec's fields).
 
@@ -153,12 +158,15 @@ def analyze(
     if not names:
         raise ConfigError("strategies= is empty; name at least one strategy")
     parsed = [parse_strategy(name) for name in names]
+    num_rows = int(arr.shape[0])
+    units = plan_units(arr, empty_examples=empty_examples)
+    arr = units.lengths if units.skipped.num_skipped else arr  # (num_units,) the examples planned
 
     max_tokens = default_max_tokens(arr, batch_size) if max_tokens is None else int(max_tokens)
     most = option_limit("capacity")  # the packed planner's limit: a default must respect it
     capacity = (max_tokens if most is None else min(max_tokens, most)) if capacity is None else int(capacity)
     limit = min(max_tokens, capacity)
-    top = int(arr.max())
+    top = int(arr.max()) if arr.size else 0
     num_over = int(np.count_nonzero(arr > limit))
     if overlong == "error" and num_over:
         first = int(np.flatnonzero(arr > limit)[0])
@@ -190,7 +198,9 @@ def analyze(
         start = time.perf_counter()
         plan = plan_batches(arr, spec, seed=seed)
         seconds = time.perf_counter() - start
-        records.append(_record(name, plan, seconds, shared, asdict(spec)))
+        record = _record(name, plan, seconds, shared, asdict(spec))
+        record["num_examples"], record["num_empty"] = num_rows, units.skipped.num_empty
+        records.append(record)
     fewest = min(r["token_slots"] for r in records)
     for r in records:
         if fewest:
@@ -225,6 +235,7 @@ def _record(name: str, plan: Any, seconds: float, shared: dict, spec_fields: dic
         "num_split": ov.num_split,
         "num_dropped": ov.num_dropped,
         "dropped_tokens": ov.dropped_tokens,
+        "num_empty": 0,
         "lower_bound_rows": st.lower_bound_rows,
         "rows_over_lower_bound": st.rows_over_lower_bound,
         "plan_seconds": seconds,
@@ -292,7 +303,11 @@ def format_table(records: list[dict[str, Any]]) -> str:
         return "  ".join(out).rstrip()
 
     sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), sep, *(line(row) for row in rows)])
+    table = [line(headers), sep, *(line(row) for row in rows)]
+    empty = max((r.get("num_empty") or 0 for r in records), default=0)
+    if empty:
+        table.append(f"{_int(empty)} empty example(s) (no tokens) left out of every plan")
+    return "\n".join(table)
 
 
 __all__ = [

@@ -332,6 +332,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             rank=args.process_index,
             world_size=args.world_size,
             collate_fn=self.data_collator,
+            empty_examples=self.smart_batching.empty_examples,
         )
         self.smart_batching.sampler = None
         self.smart_batching.stream = dataset

@@ -20,6 +20,7 @@ class StreamingStats:
         num_examples: examples read from the source so far.
         efficiency: real tokens / token slots of the emitted batches (1.0: no padding).
         num_buffered: segments in the buffer now; ``max_buffered`` the most it has held.
+        num_empty, num_masked: examples left out before planning: no tokens, no target token.
     """
 
     strategy: str
@@ -37,6 +38,8 @@ class StreamingStats:
     num_split: int
     num_dropped: int
     dropped_tokens: int
+    num_empty: int
+    num_masked: int
     num_rounds: int
     num_buffered: int
     max_buffered: int
@@ -59,6 +62,8 @@ _COUNTERS = (
     "num_split",
     "num_dropped",
     "dropped_tokens",
+    "num_empty",
+    "num_masked",
     "max_buffered",
     "max_buffered_tokens",
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,13 @@ from smart_batching.streaming._rounds import (
     _Segs,
 )
 from smart_batching.streaming._stats import _COUNTERS, StreamingStats, _non_negative, _positive_or_none
+from smart_batching.units import (
+    EMPTY_POLICIES,
+    EmptyExamplesWarning,
+    SkippedCounts,
+    describe_skipped,
+    no_target_token,
+)
 
 # --- The batcher -------------------------------------------------------------------------------------
 
@@ -76,6 +84,11 @@ class StreamingBatcher:
             99.82 % with 0.25 = the global plan); each kept example is planned again, so 0.1 costs
             about 1.2x the rounds of 0 and 0.25 about 1.5x.
         progress: Show a tqdm bar with examples read and the running efficiency.
+        empty_examples: Examples with no tokens, or (examples only) with no target token (every label
+            ``-100``, an all-zero ``completion_mask`` / ``assistant_masks``): ``"skip"`` leaves them out as
+            they come, counted in :attr:`stats` (``num_empty``, ``num_masked``) and named in one
+            :class:`~smart_batching.units.EmptyExamplesWarning`; ``"error"`` raises
+            :class:`~smart_batching.errors.DataError` at the first.
         **options: The spec's fields when ``spec_or_name`` is a name, e.g. ``capacity=4096``.
 
     Yields:
@@ -99,9 +112,13 @@ class StreamingBatcher:
         min_row_fill: float | None = None,
         reserve: float | None = None,
         progress: bool = False,
+        empty_examples: str = "skip",
         **options: Any,
     ) -> None:
         self.spec = make_spec(spec_or_name, **options)
+        if empty_examples not in EMPTY_POLICIES:
+            raise ConfigError(f"empty_examples={empty_examples!r} must be one of {', '.join(EMPTY_POLICIES)}")
+        self.empty_examples = empty_examples
         if not self.spec.can_stream():
             raise ConfigError(f"strategy {self.spec.name!r} cannot stream: it defines no plan_round")
         self.buffer_size = _positive_or_none("buffer_size", buffer_size)
@@ -256,7 +273,8 @@ class StreamingBatcher:
         self._buffered_tokens = int(self._buffer.seg_lengths.sum())
         if state["ready"] is not None:
             self._ready = _Emission.from_state(state["ready"])
-        self._counters.update({k: int(state["counters"][k]) for k in _COUNTERS})
+        # Counters added later (num_empty, num_masked) read as 0 from older states.
+        self._counters.update({k: int(state["counters"].get(k, 0)) for k in _COUNTERS})
         self._generation += 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -423,6 +441,10 @@ class StreamingBatcher:
                 f"{self._setting}={limit}. Raise {self._setting}=, or choose overlong='truncate', 'split' or 'drop'."
             )
         segs = apply_overlong(lens, limit, self._policy, self._setting)
+        skip = self._no_target(lens, examples, p0)  # (k,) bool or None
+        if skip is not None:
+            keep = ~skip[segs.example_ids]
+            segs = type(segs)(segs.example_ids[keep], segs.starts[keep], segs.lengths[keep], segs.overlong)
         o = segs.overlong
         c = self._counters
         c["num_examples"] += lens.shape[0]
@@ -438,6 +460,37 @@ class StreamingBatcher:
             for i in np.flatnonzero(refs).tolist():
                 self._examples[p0 + i] = [examples[i], int(refs[i])]
         return _Segs(segs.example_ids + p0, segs.starts, segs.lengths, lens[segs.example_ids])
+
+    def _no_target(self, lens: np.ndarray, examples: list[Any] | None, p0: int) -> np.ndarray | None:
+        """(k,) True for examples with no tokens or no target token; counted, warned about once, or refused."""
+        empty = lens == 0
+        masked = np.zeros_like(empty)
+        if examples is not None:
+            for i, ex in enumerate(examples):
+                if not empty[i] and isinstance(ex, Mapping) and no_target_token(ex):
+                    masked[i] = True
+        if not (empty.any() or masked.any()):
+            return None
+        c = self._counters
+        first = not (c["num_empty"] or c["num_masked"])
+        skipped = SkippedCounts(
+            num_empty=int(empty.sum()),
+            num_masked=int(masked.sum()),
+            first_rows=tuple(int(p0 + i) for i in np.flatnonzero(empty | masked)[:5]),
+        )
+        c["num_empty"] += skipped.num_empty
+        c["num_masked"] += skipped.num_masked
+        what = describe_skipped(skipped, where="stream position")
+        if self.empty_examples == "error":
+            raise DataError(f"{what}: they give no loss. Drop them, or set empty_examples='skip'")
+        if first:
+            warnings.warn(
+                f"{what}; they give no loss and are left out as they come (counted in stats.num_empty / "
+                "num_masked; set empty_examples='error' to refuse them)",
+                EmptyExamplesWarning,
+                stacklevel=5,
+            )
+        return empty | masked
 
     def _round(self, need: tuple[int, int] | None) -> None:
         """Plan the buffer; emit what is good enough (everything when ``need`` is None: the stream ended)."""

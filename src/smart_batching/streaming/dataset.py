@@ -114,6 +114,7 @@ class StreamingBatchDataset(IterableDataset):
         world_size: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         progress: bool = False,
+        empty_examples: str = "skip",
         **options: Any,
     ) -> None:
         self.spec = make_spec(spec_or_name, **options)
@@ -135,6 +136,7 @@ class StreamingBatchDataset(IterableDataset):
             "min_row_fill": min_row_fill,
             "reserve": reserve,
             "progress": progress,
+            "empty_examples": empty_examples,
         }
         StreamingBatcher([], self.spec, **self._kwargs)  # validate the settings here, not in a worker
         self._epoch = 0
