@@ -113,7 +113,7 @@ def resolve_upstream(
         ConfigError: a setting smart batching cannot honour with this strategy, named with what to change.
     """
     from smart_batching.compat import TRAINER_DEFAULT_SAMPLING
-    from smart_batching.planners import PlannerSpec, spec_class
+    from smart_batching.planners import PlannerSpec, spec_class, strategy_names
 
     args = trainer.args
     cls = spec_class(strategy)
@@ -132,16 +132,14 @@ def resolve_upstream(
     fill("per_device_train_batch_size", "batch_size", int(args.per_device_train_batch_size))
 
     sampling = getattr(args, "train_sampling_strategy", None)
-    if sampling == "group_by_length" and name == "group_by_length":
-        decided["train_sampling_strategy"] = "group_by_length (HF's megabatches, longest first)"
+    if sampling is not None and sampling == cls.hf_sampling:
+        decided["train_sampling_strategy"] = f"{sampling} (HF's semantics, kept by strategy {name!r})"
     elif sampling not in TRAINER_DEFAULT_SAMPLING:
-        keeps = {
-            "group_by_length": "asks for HF's length grouping",
-            "sequential": "keeps the dataset order",
-        }.get(sampling, "asks for its own order")
-        also = ", or use strategy='group_by_length'" if sampling == "group_by_length" else ""
+        keeper = next((n for n in strategy_names() if spec_class(n).hf_sampling == sampling), None)
+        also = f", or use strategy={keeper!r} (it keeps HF's {sampling} semantics)" if keeper else ""
+        order = "keeps the dataset order" if sampling == "sequential" else "asks for HF's own order"
         raise ConfigError(
-            f"train_sampling_strategy={sampling!r} {keeps}, but smart batching plans the order with strategy "
+            f"train_sampling_strategy={sampling!r} {order}, but smart batching plans the order with strategy "
             f"{name!r}: set train_sampling_strategy='random'{also}"
         )
 

@@ -17,6 +17,7 @@ a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` 
 ``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
 largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
 one-line description        ``cls.description``; option docs: ``cls.option_docs()``
+HF sampling it implements   ``cls.hf_sampling`` (a ``TrainingArguments.train_sampling_strategy``)
 ==========================  =======================================================================
 
 Adding a strategy is one module with a spec subclass and a planner, one ``register`` line, and its
@@ -123,6 +124,9 @@ class PlannerSpec:
     variant_option: ClassVar[str | None] = None
     analysis_variants: ClassVar[tuple[str, ...]] = ()
     option_limits: ClassVar[dict[str, int]] = {}
+    hf_sampling: ClassVar[str | None] = None
+    """The ``TrainingArguments.train_sampling_strategy`` whose semantics this strategy keeps (a trainer
+    set to it is honoured by this strategy and refused with any other); None: none."""
 
     # -- validation helpers ------------------------------------------------------------------------
 

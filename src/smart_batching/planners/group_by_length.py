@@ -58,6 +58,7 @@ class GroupByLengthSpec(PlannerSpec):
     description: ClassVar[str] = "fixed batch size, similar lengths together (HF megabatches or full sort)"
     variant_option: ClassVar[str | None] = "mode"
     analysis_variants: ClassVar[tuple[str, ...]] = ("sorted",)
+    hf_sampling: ClassVar[str | None] = "group_by_length"
     batch_size: int = 8
     mode: str = "megabatch"
     megabatch_mult: int | None = None
