@@ -193,6 +193,24 @@ def test_trl_sft_trainer_overrides_compute_loss():
     assert "compute_loss" in vars(trl.SFTTrainer)
 
 
+def test_trl_fused_lm_head_is_detected():
+    """TRL's SFTTrainer patches the model with a fused LM head that scores target positions only."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    assert not compat.has_trl_fused_lm_head(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    assert compat.has_trl_fused_lm_head(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = model(input_ids=ids, labels=torch.tensor([[-100, -100, 3, 4]]), fused_lm_head=True)
+    assert int(out.label_mask.sum()) == 2  # only the positions whose next label is a target
+
+
 def test_a_broken_check_raises_a_config_error_naming_the_version(monkeypatch):
     monkeypatch.setattr(compat, "missing_trainer_hooks", lambda: ["_run_epoch"])
     with pytest.raises(

@@ -185,6 +185,17 @@ def test_empty_and_fully_masked_examples_are_skipped_before_step_1(tmp_path):
         trainer.get_train_dataloader()
 
 
+def test_no_fallback_warning_under_trl_fused_lm_head(tmp_path, prompt_completion, recwarn):
+    """SFTTrainer's fused LM head already runs the LM head at target positions only: stepping aside for
+    its compute_loss is not a slower path, so no FallbackWarning (one training step runs)."""
+    from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks
+
+    trainer = sft(tmp_path, prompt_completion, "packed")
+    trainer.train()
+    assert trainer.smart_batching.target_logits is False  # TRL's loss runs, with its own fused head
+    assert not [w for w in recwarn if w.category is FallbackWarning] and recorded_fallbacks() == {}
+
+
 # -- TrainingArguments --------------------------------------------------------------------------------
 
 
@@ -395,7 +406,10 @@ ROW_TESTS = {
         test_dataset_preparation_options_are_honoured
     ],
     "pad_token": ["tests/test_trainer.py"],
-    "loss_type": ["tests/test_examples.py::test_trl_sft_example_trains_with_packed_batches"],
+    "loss_type": [
+        "tests/test_examples.py::test_trl_sft_example_trains_with_packed_batches",
+        test_no_fallback_warning_under_trl_fused_lm_head,
+    ],
     "empty and fully masked examples": [test_empty_and_fully_masked_examples_are_skipped_before_step_1],
 }
 

@@ -24,6 +24,7 @@ Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_
 DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
 accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
 Trainer's column removal                  :func:`remove_unused_columns`
+TRL's fused LM head (``SFTTrainer``)      :func:`has_trl_fused_lm_head`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
@@ -225,6 +226,26 @@ def last_checkpoint(output_dir: str) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
     return get_last_checkpoint(output_dir)
+
+
+def has_trl_fused_lm_head(model: Any) -> bool:
+    """TRL's ``add_fused_lm_head`` patched ``model.forward`` (TRL >= 1.13's ``SFTTrainer`` does): its
+    ``fused_lm_head=True`` path runs the LM head only at positions whose next label is a target, in tiles,
+    without full logits, which is what ``target_logits_only`` would do.
+
+    Relies on the patched forward being a function that takes a ``fused_lm_head`` keyword, found as
+    ``model.forward`` or, once accelerate wrapped it (``convert_outputs_to_fp32``), as the
+    ``model._original_forward`` accelerate keeps.
+    """
+    for forward in (getattr(model, "forward", None), vars(model).get("_original_forward")):
+        func = getattr(forward, "__func__", forward)
+        code = getattr(func, "__code__", None)
+        if (
+            code is not None
+            and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        ):
+            return True
+    return False
 
 
 def remove_unused_columns(trainer: Any, dataset: Any) -> Any:

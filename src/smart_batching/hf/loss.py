@@ -84,6 +84,11 @@ class TokenLossMixin:
             self.smart_batching.target_logits = reason is None
             if reason is None:
                 logger.info("smart batching: the LM head runs only at target positions (target_logits_only)")
+            elif self._loss_override() is not None and compat.has_trl_fused_lm_head(
+                self.accelerator.unwrap_model(model)
+            ):
+                # Not a slower path: TRL's fused LM head already scores target positions only.
+                logger.info("smart batching: TRL's fused LM head runs the LM head only at target positions")
             elif self.smart_batching.target_logits_only and reason != _NOT_CAUSAL:
                 warn_fallback(
                     "trainer.target_logits",
@@ -93,6 +98,13 @@ class TokenLossMixin:
                     stacklevel=2,
                 )
         return self.smart_batching.target_logits
+
+    def _loss_override(self) -> type | None:
+        """The subclass whose ``compute_loss`` runs instead of ``Trainer``'s (e.g. ``SFTTrainer``), or None."""
+        mro = type(self).__mro__
+        after = mro[mro.index(TokenLossMixin) + 1 :]
+        first = next((c for c in after if "compute_loss" in vars(c)), None)
+        return None if first is Trainer else first
 
     def _target_logits_blocker(self, model: Any) -> str | None:
         """Why target-only logits are not exact here; None if they are."""
@@ -111,11 +123,9 @@ class TokenLossMixin:
             return "a compute_loss_func of the caller's reads the full logits"
         if ours and not self.smart_batching.token_loss.shift_labels:
             return "shift_labels=False: the loss does not shift labels as a causal LM does"
-        # A subclass's compute_loss (e.g. TRL's SFTTrainer, which reads full logits for its metrics) wins.
-        mro = type(self).__mro__
-        after = mro[mro.index(TokenLossMixin) + 1 :]
-        first = next((c for c in after if "compute_loss" in vars(c)), None)
-        if first is not Trainer:
+        # A subclass's compute_loss (e.g. TRL's SFTTrainer, with its own metrics) wins.
+        first = self._loss_override()
+        if first is not None:
             return f"{first.__name__}.compute_loss overrides the loss and may read the full logits"
         unwrapped = self.accelerator.unwrap_model(model)
         if getattr(getattr(unwrapped, "config", None), "output_router_logits", False):
