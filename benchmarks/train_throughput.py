@@ -24,6 +24,12 @@ Strategies, all on the same examples, the same model initialisation and the same
                               packed attention
 ``packed_full_logits``        ``packed`` with ``target_logits_only=False``: the LM head on every
                               position, as HF computes it (ours compute it only where the loss looks)
+``trl_packing``               TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)``: its best-fit
+                              packing into rows of the ``packed`` capacity, padding-free, one row per
+                              step (what a TRL user picks instead)
+``sft_packed``                ``apply_smart_batching(sft_trainer, "packed")`` on that same
+                              ``SFTTrainer`` (``packing=False``): our plan and packed attention, TRL's
+                              loss and metrics (its fused LM head scores target positions only)
 ============================  ===================================================================
 
 By default every strategy trains one epoch over the examples, so all see exactly the same tokens;
@@ -69,6 +75,8 @@ ALL_STRATEGIES = (
     "token_budget",
     "packed",
     "packed_full_logits",
+    "trl_packing",
+    "sft_packed",
 )
 BASELINE = "hf_random"
 
@@ -148,6 +156,16 @@ def tiny_llama(vocab: int, hidden: int, layers: int, attn: str = "sdpa"):
     return LlamaForCausalLM(config)
 
 
+def sft_tokenizer():
+    """A tokenizer for ``SFTTrainer`` (the data is already tokenized; it supplies pad/eos only)."""
+    from smart_batching.data.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer("smollm2")
+    except Exception:  # noqa: BLE001 - the tokenizer load_examples fell back to
+        return load_tokenizer("gpt2")
+
+
 class CountingCollator:
     """Wrap a collator and record, per batch, the real (non-padding) input tokens and the token slots."""
 
@@ -157,7 +175,7 @@ class CountingCollator:
         self.slots: list[int] = []
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        features = [{k: f[k] for k in ("input_ids", "labels") if k in f} for f in features]
+        features = [{k: f[k] for k in ("input_ids", "labels", "seq_lengths") if k in f} for f in features]
         batch = self.inner(features)
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")
@@ -214,7 +232,25 @@ def run_strategy(
     model = tiny_llama(opts.vocab, opts.hidden, opts.layers)
     timer = step_timer()
     settings: dict[str, Any] = {"batch_size": opts.batch_size}
-    if name.startswith("hf_"):
+    if name in ("trl_packing", "sft_packed"):
+        from trl import SFTConfig, SFTTrainer
+
+        from smart_batching.hf import apply_smart_batching
+
+        packing = name == "trl_packing"
+        config = {**common, "per_device_train_batch_size": 1 if packing else opts.batch_size}
+        args = SFTConfig(packing=packing, max_length=capacity, **config)
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=ds, processing_class=sft_tokenizer(), callbacks=[timer]
+        )
+        if packing:
+            settings = {"max_length": capacity, "packing_strategy": args.packing_strategy}
+        else:
+            apply_smart_batching(trainer, "packed", capacity=capacity, seed=0)
+            settings = {"capacity": capacity}
+        collator = CountingCollator(trainer.data_collator)
+        trainer.data_collator = collator
+    elif name.startswith("hf_"):
         if name == "hf_flattening":
             collator = CountingCollator(DataCollatorWithFlattening())
         else:

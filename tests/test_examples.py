@@ -71,7 +71,7 @@ def test_train_throughput_benchmark_smoke(capsys):
                 "--vocab",
                 "4096",
                 "--strategies",
-                "hf_random,packed",
+                "hf_random,packed,trl_packing,sft_packed",
                 "--json",
                 "--warmup",
                 "0",
@@ -82,6 +82,8 @@ def test_train_throughput_benchmark_smoke(capsys):
             pytest.skip(str(exc))
         raise
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert [r["strategy"] for r in lines] == ["hf_random", "packed"]
+    assert [r["strategy"] for r in lines] == ["hf_random", "packed", "trl_packing", "sft_packed"]
     assert all(r["real_tokens_per_s"] > 0 and np.isfinite(r["final_loss"]) for r in lines)
     assert lines[1]["padding_ratio"] == 0.0 and records[0]["ratio_vs_random"] == 1.0
+    # TRL's packing and ours on TRL's trainer are padding-free too, over the same examples' tokens.
+    assert lines[2]["padding_ratio"] == 0.0 and lines[3]["padding_ratio"] == 0.0

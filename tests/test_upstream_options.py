@@ -186,14 +186,51 @@ def test_empty_and_fully_masked_examples_are_skipped_before_step_1(tmp_path):
 
 
 def test_no_fallback_warning_under_trl_fused_lm_head(tmp_path, prompt_completion, recwarn):
-    """SFTTrainer's fused LM head already runs the LM head at target positions only: stepping aside for
-    its compute_loss is not a slower path, so no FallbackWarning (one training step runs)."""
+    """Under SFTTrainer (plain NLL) target-only logits stand in for TRL's loss: no FallbackWarning, and
+    TRL's metrics are still logged (one training step runs)."""
     from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks
 
     trainer = sft(tmp_path, prompt_completion, "packed")
     trainer.train()
-    assert trainer.smart_batching.target_logits is False  # TRL's loss runs, with its own fused head
+    assert trainer.smart_batching.target_logits is True and trainer.smart_batching.trl_metrics is True
     assert not [w for w in recwarn if w.category is FallbackWarning] and recorded_fallbacks() == {}
+    logged = trainer.state.log_history[0]
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(logged)
+
+
+@pytest.mark.parametrize("strategy", ["packed", "token_budget"])
+def test_target_logits_under_sft_trainer_equal_trl_loss_gradients_and_metrics(
+    tmp_path, prompt_completion, strategy
+):
+    """Our loss at target positions equals SFTTrainer.compute_loss (its fused LM head) on the same batch:
+    loss, gradients, and the entropy / token accuracy / token count it logs."""
+    import torch
+    from trl import SFTTrainer
+
+    trainer = sft(tmp_path, prompt_completion, strategy, completion_only_loss=True)
+    trainer._target_logits_apply(trainer.model)
+    assert trainer.smart_batching.target_logits and trainer.smart_batching.trl_metrics
+    batch = next(iter(trainer.get_train_dataloader()))
+    model = trainer.model.train()
+    n = (batch["labels"][..., 1:] != -100).sum()
+
+    def run(compute):
+        model.zero_grad()
+        trainer._metrics["train"].clear()
+        trainer._total_train_tokens = 0
+        loss = compute(trainer, model, dict(batch), num_items_in_batch=n)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return loss.detach(), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+
+    ours = run(type(trainer).compute_loss)
+    theirs = run(SFTTrainer.compute_loss)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert ours[2].keys() == theirs[2].keys() == {"entropy", "mean_token_accuracy", "num_tokens"}
+    for key in ours[2]:
+        np.testing.assert_allclose(ours[2][key], theirs[2][key], rtol=1e-5, err_msg=f"TRL's {key} moved")
 
 
 # -- TrainingArguments --------------------------------------------------------------------------------
@@ -409,6 +446,7 @@ ROW_TESTS = {
     "loss_type": [
         "tests/test_examples.py::test_trl_sft_example_trains_with_packed_batches",
         test_no_fallback_warning_under_trl_fused_lm_head,
+        test_target_logits_under_sft_trainer_equal_trl_loss_gradients_and_metrics,
     ],
     "empty and fully masked examples": [test_empty_and_fully_masked_examples_are_skipped_before_step_1],
 }

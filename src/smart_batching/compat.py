@@ -25,6 +25,8 @@ DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint
 accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
 Trainer's column removal                  :func:`remove_unused_columns`
 TRL's fused LM head (``SFTTrainer``)      :func:`has_trl_fused_lm_head`
+TRL ``SFTTrainer``'s loss and metrics     :func:`is_trl_sft_trainer`, :func:`trl_sft_loss_is_plain_nll`,
+                                          :func:`log_trl_sft_metrics`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
@@ -246,6 +248,69 @@ def has_trl_fused_lm_head(model: Any) -> bool:
         ):
             return True
     return False
+
+
+TRL_SFT_METRIC_ATTRIBUTES = ("_metrics", "_total_train_tokens", "_tp_size", "aux_loss_enabled")
+"""``SFTTrainer`` attributes :func:`log_trl_sft_metrics` and :func:`trl_sft_loss_is_plain_nll` read
+(TRL 1.13 to 1.16)."""
+
+
+def is_trl_sft_trainer(trainer: Any) -> bool:
+    """``trainer`` is TRL's ``SFTTrainer`` (or a subclass); TRL is not imported if it is not loaded."""
+    import sys
+
+    trl = sys.modules.get("trl")
+    sft = getattr(trl, "SFTTrainer", None) if trl is not None else None
+    return sft is not None and isinstance(trainer, sft)
+
+
+def trl_sft_loss_is_plain_nll(trainer: Any) -> bool:
+    """``SFTTrainer.compute_loss`` would compute the plain token NLL over ``num_items_in_batch`` (what
+    target-only logits compute too): ``loss_type="nll"``, no ``compute_loss_func``, no label smoother, no
+    router auxiliary loss, and TRL's metric attributes where :func:`log_trl_sft_metrics` expects them."""
+    return (
+        is_trl_sft_trainer(trainer)
+        and getattr(trainer.args, "loss_type", "nll") == "nll"
+        and trainer.compute_loss_func is None
+        and trainer.label_smoother is None
+        and all(hasattr(trainer, a) for a in TRL_SFT_METRIC_ATTRIBUTES)
+        and not trainer.aux_loss_enabled
+    )
+
+
+def log_trl_sft_metrics(
+    trainer: Any, inputs: Any, entropy_sum: Any, num_correct: Any, num_valid: Any
+) -> None:
+    """Record ``SFTTrainer``'s training metrics as its own ``compute_loss`` does (TRL 1.13 to 1.16):
+    ``entropy`` and ``mean_token_accuracy`` over the target positions, ``num_tokens`` seen so far.
+
+    Args:
+        trainer: The ``SFTTrainer``.
+        inputs: The micro-batch (``attention_mask`` or padding-free ``position_ids``).
+        entropy_sum, num_correct, num_valid: This process's sums over its target positions (tensors).
+    """
+    gather = trainer.accelerator.gather_for_metrics
+    mode = "train" if trainer.model.training else "eval"
+    valid = gather(num_valid).sum()
+    entropy = gather(entropy_sum).sum()
+    correct = gather(num_correct).sum()
+    metrics = trainer._metrics[mode]
+    metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+    metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+    if mode == "train":
+        if "attention_mask" in inputs:
+            tokens = gather(inputs["attention_mask"].sum()).sum().item()
+        else:
+            ids = inputs["position_ids"]
+            tokens = gather(torch_tensor(ids.size(1), ids.device)).sum().item()
+        trainer._total_train_tokens += tokens // trainer._tp_size
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+
+
+def torch_tensor(value: int, device: Any) -> Any:
+    import torch
+
+    return torch.tensor(value, device=device)
 
 
 def remove_unused_columns(trainer: Any, dataset: Any) -> Any:

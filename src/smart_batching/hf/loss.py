@@ -66,12 +66,32 @@ class TokenLossMixin:
         outputs = model(**inputs, logits_to_keep=keep)
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         total = kept_token_loss_sum(logits, targets, keep, shift_labels=shift)
+        if self.smart_batching.trl_metrics:
+            self._log_trl_metrics(logits, targets, keep, shift, inputs)
         loss = total / torch.as_tensor(num_items_in_batch, device=total.device, dtype=total.dtype)
         if self.args.average_tokens_across_devices:
             # As Trainer.compute_loss: num_items_in_batch counts every rank's tokens, DDP averages gradients.
             loss_scale = self.accelerator.num_processes // self.get_tp_size()
             loss = loss * (loss_scale if self.args.n_gpu <= 1 else self.args.n_gpu)
         return (loss, outputs) if return_outputs else loss
+
+    def _log_trl_metrics(
+        self, logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, shift: bool, inputs: Mapping
+    ) -> None:
+        """``SFTTrainer``'s entropy and token accuracy, from the logits at the target positions (the
+        positions TRL's fused LM head scores), so they are the values TRL would log."""
+        with torch.no_grad():
+            scored = (targets[..., 1:] if shift else targets)[
+                :, keep.to(targets.device)
+            ]  # as kept_token_loss_sum
+            flat = logits.reshape(-1, logits.shape[-1]).float()
+            wanted = scored.reshape(-1).to(flat.device)
+            valid = wanted.ne(-100)
+            flat, wanted = flat[valid], wanted[valid]
+            logp = torch.log_softmax(flat, dim=-1)
+            entropy = -(logp.exp() * logp).sum()
+            correct = (flat.argmax(dim=-1) == wanted).sum()
+        compat.log_trl_sft_metrics(self, inputs, entropy, correct, valid.sum())
 
     def _target_logits_apply(self, model: Any) -> bool:
         """Whether the target-only-logits loss is exact for this trainer and model (decided once).
@@ -82,6 +102,7 @@ class TokenLossMixin:
         if self.smart_batching.target_logits is None:
             reason = self._target_logits_blocker(model)
             self.smart_batching.target_logits = reason is None
+            self.smart_batching.trl_metrics = reason is None and self._loss_override() is not None
             if reason is None:
                 logger.info("smart batching: the LM head runs only at target positions (target_logits_only)")
             elif self._loss_override() is not None and compat.has_trl_fused_lm_head(
@@ -125,8 +146,10 @@ class TokenLossMixin:
             return "shift_labels=False: the loss does not shift labels as a causal LM does"
         # A subclass's compute_loss (e.g. TRL's SFTTrainer, with its own metrics) wins.
         first = self._loss_override()
-        if first is not None:
+        if first is not None and not compat.trl_sft_loss_is_plain_nll(self):
             return f"{first.__name__}.compute_loss overrides the loss and may read the full logits"
+        # Past here a loss override is TRL's SFTTrainer with its plain NLL: the same loss is computed
+        # here, and its metrics are logged as it logs them (see _target_logits_apply).
         unwrapped = self.accelerator.unwrap_model(model)
         if getattr(getattr(unwrapped, "config", None), "output_router_logits", False):
             return "the model adds a router auxiliary loss (output_router_logits=True)"

@@ -19,6 +19,7 @@ class SmartBatchingState:
         streaming_buffer_size: examples planned at a time when ``train_dataset`` is streamed.
         target_logits_only: the caller's setting; ``target_logits`` is what the first step decided.
         empty_examples: ``"skip"`` or ``"error"`` for examples with no tokens or no target token.
+        trl_metrics: target-only logits stand in for TRL ``SFTTrainer``'s loss, and its metrics are logged.
         upstream: what the trainer's own data settings (TRL ``SFTConfig``, ``TrainingArguments``) came
             to, one line each (:func:`smart_batching.hf.upstream.check_upstream_options`).
         sampler: the batch sampler of a map-style ``train_dataset`` (set by ``get_train_dataloader``).
@@ -42,6 +43,7 @@ class SmartBatchingState:
     target_logits_only: bool = True
     target_logits: bool | None = None
     empty_examples: str = "skip"
+    trl_metrics: bool = False
     upstream: dict[str, str] = field(default_factory=dict)
     sampler: Any = None
     stream: Any = None
