@@ -199,3 +199,109 @@ def permute_batches(
     shift = np.repeat(offsets[:-1][perm] - new_offsets[:-1], sizes)
     src = np.arange(int(new_offsets[-1]), dtype=np.int64) + shift
     return order[src], new_offsets
+
+
+# --- The costliest batch first (PlannerSpec.leads_with_costliest) ----------------------------------
+
+
+def costliest_batch(key: np.ndarray, tie_break: np.ndarray) -> int:
+    """Index of the batch with the largest ``key``, ties to the largest ``tie_break``, then to the first
+    (a plan whose batch 0 already ties for the top stays as it is); -1 without batches. O(num_batches)."""
+    if key.size == 0:
+        return -1
+    tied = np.flatnonzero(key == key.max())  # (num_tied,)
+    return int(tied[np.argmax(tie_break[tied])])
+
+
+def range_sums_and_maxima(
+    values: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum and maximum of ``values[starts[i]:ends[i]]`` for each range ``i`` (0 for an empty one); the
+    ranges may come in any order.
+
+    Returns:
+        ``(sums, maxima)``, each ``(len(starts),)`` int64. Two vectorised passes over ``values``.
+    """
+    if starts.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    csum = np.zeros(values.shape[0] + 1, dtype=np.int64)
+    np.cumsum(values, out=csum[1:])
+    sums = csum[ends] - csum[starts]
+    # One reduceat over interleaved (start, end) bounds; the appended 0 keeps an end bound in range.
+    padded = np.append(values, 0).astype(np.int64, copy=False)
+    maxima = np.maximum.reduceat(padded, np.stack([starts, ends], axis=1).reshape(-1))[::2]
+    maxima[ends <= starts] = 0
+    return sums, maxima
+
+
+def costliest_in_plan(
+    spec: PlannerSpec,
+    ordered_lengths: np.ndarray,
+    row_offsets: np.ndarray,
+    batch_offsets: np.ndarray,
+    batch_width: np.ndarray,
+) -> int:
+    """The batch :meth:`PlannerSpec.costliest_keys` ranks first, in a plan laid out as ``batch b = rows [batch_offsets[b], batch_offsets[b+1])``, ``row r = segments
+    [row_offsets[r], row_offsets[r+1])`` over ``ordered_lengths`` (segment lengths in plan order)."""
+    bounds = row_offsets[batch_offsets]  # (num_batches + 1,) into the segments
+    tokens, longest = range_sums_and_maxima(ordered_lengths, bounds[:-1], bounds[1:])
+    key, tie_break = spec.costliest_keys(np.diff(batch_offsets), tokens, longest, batch_width)
+    return costliest_batch(np.asarray(key), np.asarray(tie_break))
+
+
+def _blocks_swapped(a: np.ndarray, i: int, j: int, k: int) -> np.ndarray:
+    """``a[j:k], a[i:j], a[:i], a[k:]``: the block ``[j, k)`` and the block ``[0, i)`` swapped."""
+    return np.concatenate([a[j:k], a[i:j], a[:i], a[k:]])
+
+
+def _offsets_of(sizes: np.ndarray) -> np.ndarray:
+    out = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
+def swap_to_front(
+    k: int,
+    segment_arrays: tuple[np.ndarray, ...],
+    row_offsets: np.ndarray,
+    batch_offsets: np.ndarray,
+    batch_width: np.ndarray,
+) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """Swap batch ``k`` with batch 0 (not a sort: every other batch keeps its place)::
+
+        batches   B0 B1 B2 B3 B4      k = 3      ->   B3 B1 B2 B0 B4
+
+    Args:
+        segment_arrays: arrays over segments in plan order (the order, its lengths), swapped alike.
+
+    Returns:
+        ``(segment_arrays, row_offsets, batch_offsets, batch_width)`` of the new plan. Vectorised
+        copies, no Python work per batch or example.
+    """
+    if k <= 0:
+        return segment_arrays, row_offsets, batch_offsets, batch_width
+    r1, rk, rk1 = (int(x) for x in batch_offsets[[1, k, k + 1]])
+    s1, sk, sk1 = (int(x) for x in row_offsets[[r1, rk, rk1]])
+    arrays = tuple(_blocks_swapped(a, s1, sk, sk1) for a in segment_arrays)
+    rows = _offsets_of(_blocks_swapped(np.diff(row_offsets), r1, rk, rk1))
+    batches = _offsets_of(_blocks_swapped(np.diff(batch_offsets), 1, k, k + 1))
+    return arrays, rows, batches, _blocks_swapped(batch_width, 1, k, k + 1)
+
+
+def lead_with_costliest(spec: PlannerSpec, parts: PlanParts) -> PlanParts:
+    """``parts`` with its costliest batch swapped to the front (see
+    :meth:`PlannerSpec.leads_with_costliest`); the segments stay the same, only the order of batches
+    changes. O(num_segments) in vectorised passes (a sum, a maximum, a copy)."""
+    ordered = parts.segments.lengths[parts.order] if parts.ordered_lengths is None else parts.ordered_lengths
+    parts = parts._replace(ordered_lengths=ordered)
+    if parts.batch_offsets.shape[0] <= 2:
+        return parts
+    k = costliest_in_plan(spec, ordered, parts.row_offsets, parts.batch_offsets, parts.batch_width)
+    if k <= 0:
+        return parts
+    (order, ordered), rows, batches, width = swap_to_front(
+        k, (parts.order, ordered), parts.row_offsets, parts.batch_offsets, parts.batch_width
+    )
+    return parts._replace(
+        order=order, row_offsets=rows, batch_offsets=batches, batch_width=width, ordered_lengths=ordered
+    )

@@ -16,6 +16,7 @@ limits after balancing      ``spec.unit_limits()`` (:class:`UnitLimits`)
 a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` or None)
 ``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
 largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
+costliest batch first?      ``spec.leads_with_costliest()``; ranked by ``spec.costliest_keys(...)``
 one-line description        ``cls.description``; option docs: ``cls.option_docs()``
 ==========================  =======================================================================
 
@@ -194,6 +195,45 @@ class PlannerSpec:
         with a little slack (an eighth) for the balancer's moves."""
         bs = getattr(self, "batch_size", None)
         return UnitLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
+
+    def leads_with_costliest(self) -> bool:
+        """Whether the batch with the largest :meth:`footprint` goes first (step 0 of every epoch; on
+        several processes the optimizer step holding it, see :func:`~smart_batching.distributed.distribute`),
+        so that a budget that does not fit fails at the first step and not hours later.
+
+        Default: the spec's ``costliest_first`` option, False for a spec without one. A new strategy
+        gets the rule by declaring ``costliest_first: bool = True``; the swap itself is done outside the
+        planner (:func:`~smart_batching.planners._common.lead_with_costliest`), ranking batches by
+        :meth:`costliest_keys`. Its cost in randomness: one batch per epoch moved to the front by a
+        swap with batch 0; the rest keeps its order.
+        """
+        return bool(getattr(self, "costliest_first", False))
+
+    def footprint(self, rows: np.ndarray, tokens: np.ndarray, width: np.ndarray) -> np.ndarray:
+        """Memory footprint of batches in token positions, vectorised over batches: what a step holds in
+        activations. Rows padded to a width cost ``rows × width`` (token slots); rows that hold several
+        examples are flattened into one padding-free sequence by the packing collator and cost their
+        real ``tokens``. Ties are broken by the longest segment (attention cost), outside this method.
+
+        Args:
+            rows: ``(num_batches,)`` rows of each batch.
+            tokens: ``(num_batches,)`` real tokens of each batch.
+            width: ``(num_batches,)`` padded tokens per row.
+        """
+        return tokens if self.packs_rows else rows * width
+
+    def costliest_keys(
+        self, rows: np.ndarray, tokens: np.ndarray, longest: np.ndarray, width: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """How batches rank for :meth:`leads_with_costliest`: ``(key, tie-break)``, each
+        ``(num_batches,)``; the largest key wins, ties go to the largest tie-break, then to the first
+        batch. Default: the :meth:`footprint`, ties to the longest segment (attention cost).
+
+        Args:
+            rows, tokens, width: as :meth:`footprint`.
+            longest: ``(num_batches,)`` tokens of each batch's longest segment.
+        """
+        return self.footprint(rows, tokens, width), longest
 
     def check_streamable(self) -> None:
         """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can)."""
