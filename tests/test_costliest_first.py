@@ -1,17 +1,20 @@
 """The costliest batch first (issue 17): step 0 holds the batch that fills memory most, so a budget that
 does not fit fails at the first step. ``group_by_length`` always (HF's rule: the longest example first),
-``token_budget`` and ``packed`` with ``costliest_first`` (the default). Single-process and streaming
-plans; footprints are measured here batch by batch, independently of the library's helpers.
+``token_budget`` and ``packed`` with ``costliest_first`` (the default). Single process, streaming and
+distributed plans; footprints are measured here batch by batch, independently of the library's helpers.
 """
 
 from __future__ import annotations
+
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
 from test_planners import check_plan
 
 import smart_batching as sb
-from smart_batching.planners import REGISTRY, make_spec
+from smart_batching.distributed import distribute
+from smart_batching.planners import REGISTRY, GroupByLengthSpec, make_spec
 from smart_batching.streaming import StreamingBatcher
 
 CONFIGS = {
@@ -216,3 +219,123 @@ def test_stream_first_round_only(name: str, options: dict, lengths: np.ndarray) 
         assert foot[k] == foot.max()  # the costliest of the batches before it (the first round's)
         swaps += k > 0
     assert swaps > 0
+
+
+# --- Distributed: the step holding the costliest micro-batch first ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def heavy_tailed() -> np.ndarray:
+    rng = np.random.default_rng(5)
+    return np.clip(rng.lognormal(5.0, 0.7, 3001), 8, 2000).astype(np.int64)
+
+
+class _NoLeadGroupByLength(GroupByLengthSpec):
+    """``group_by_length`` without the rule: the same plans and limits, to compare balance with."""
+
+    def leads_with_costliest(self) -> bool:
+        return False
+
+
+def without_rule(plan: sb.BatchPlan) -> sb.BatchPlan:
+    """The same base plan, with a spec that does not ask for the costliest step first."""
+    if isinstance(plan.spec, GroupByLengthSpec):
+        spec = _NoLeadGroupByLength(**{f.name: getattr(plan.spec, f.name) for f in fields(plan.spec)})
+    else:
+        spec = replace(plan.spec, costliest_first=False)
+    return replace(plan, spec=spec)
+
+
+DIST_STRATEGIES = [
+    ("group_by_length", dict(batch_size=8)),
+    ("group_by_length", dict(batch_size=8, mode="sorted")),
+    ("token_budget", dict(max_tokens=4096)),
+    ("packed", dict(capacity=4096)),
+    ("packed", dict(capacity=2048, rows_per_batch=2)),
+]
+
+
+def step_signature(d, step: int) -> tuple:
+    """A step as what each rank runs in it, micro-batch order aside."""
+    return tuple(tuple(sorted(d.assignment[step, r].tolist())) for r in range(d.world_size))
+
+
+@pytest.mark.parametrize("strategy, options", DIST_STRATEGIES)
+@pytest.mark.parametrize("world_size, accum", [(2, 1), (2, 3), (4, 1), (4, 2), (1, 4)])
+def test_distributed_step_zero_holds_the_costliest(
+    heavy_tailed, strategy, options, world_size, accum
+) -> None:
+    plan = sb.plan_batches(heavy_tailed, strategy, seed=1, **options)
+    d = distribute(plan, world_size, accum_steps=accum, seed=1)
+    before = distribute(without_rule(plan), world_size, accum_steps=accum, seed=1)
+    packs_rows = plan.spec.packs_rows
+    slots = d.assignment.reshape(-1)
+    lens = [plan.seg_lengths[d.unit_segments(u)] for u in slots.tolist() if u >= 0]
+    foot, longest = measure(lens, None, packs_rows)
+    full = np.full(slots.shape[0], -1)
+    full[slots >= 0] = foot
+    full_longest = np.full(slots.shape[0], -1)
+    full_longest[slots >= 0] = longest
+    foot3, longest3 = full.reshape(d.assignment.shape), full_longest.reshape(d.assignment.shape)
+    # Micro-batch 0 of step 0 on some rank is the costliest of the epoch.
+    firsts = [(foot3[0, r, 0], longest3[0, r, 0]) for r in range(world_size)]
+    if strategy == "group_by_length":
+        top = max((lo, f) for f, lo in zip(full, full_longest, strict=True))
+        assert max((lo, f) for f, lo in firsts) == top
+    else:
+        top = max(zip(full, full_longest, strict=True))
+        assert max(firsts) == top
+    # A permutation of whole steps: the same units, the same steps, balance exactly as before.
+    for name in ("segment_order", "unit_start", "unit_end", "unit_cost"):
+        np.testing.assert_array_equal(getattr(d, name), getattr(before, name))
+    assert sorted(step_signature(d, s) for s in range(d.num_steps)) == sorted(
+        step_signature(before, s) for s in range(before.num_steps)
+    )
+    moved = [s for s in range(d.num_steps) if step_signature(d, s) != step_signature(before, s)]
+    assert len(moved) in (0, 2) and (not moved or moved[0] == 0)
+    assert sorted(map(tuple, d.rank_cost.tolist())) == sorted(map(tuple, before.rank_cost.tolist()))
+    assert sorted(d.rank_cost.sum(axis=1).tolist()) == sorted(before.rank_cost.sum(axis=1).tolist())
+    assert d.max_step_imbalance == before.max_step_imbalance
+    # Deterministic: every rank computes the same plan (and a resumed run the same one again).
+    np.testing.assert_array_equal(
+        d.assignment, distribute(plan, world_size, accum_steps=accum, seed=1).assignment
+    )
+
+
+def test_distributed_rule_moves_steps(heavy_tailed) -> None:
+    """The rule is not vacuous here: over a few seeds, the shuffled order had the costliest step elsewhere."""
+    moved = 0
+    for seed in range(4):
+        plan = sb.plan_batches(heavy_tailed, "group_by_length", seed=seed, batch_size=8)
+        d = distribute(plan, 2, accum_steps=2, seed=seed)
+        before = distribute(without_rule(plan), 2, accum_steps=2, seed=seed)
+        moved += not np.array_equal(d.assignment, before.assignment)
+        # The issue's case: the longest example is in micro-batch 0 of the first step on some rank.
+        assert (
+            max(int(heavy_tailed[d.unit_examples(int(u))].max()) for u in d.assignment[0, :, 0])
+            == heavy_tailed.max()
+        )
+    assert moved >= 3
+
+
+def test_distributed_sampler_yields_the_costliest_first(heavy_tailed) -> None:
+    from smart_batching.distributed import World
+    from smart_batching.distributed.sampler import DistributedSmartBatchSampler
+
+    first = []
+    for rank in range(2):
+        sampler = DistributedSmartBatchSampler(
+            heavy_tailed, "group_by_length", world=World(rank, 2), accum_steps=2, seed=4, batch_size=8
+        )
+        it = iter(sampler)
+        batches = [next(it) for _ in range(3)]
+        first.append(batches[0])
+        # Resuming at the cursor gives the same batches (the plan is recomputed on load).
+        state = sampler.state_dict()
+        rest = list(it)
+        again = DistributedSmartBatchSampler(
+            heavy_tailed, "group_by_length", world=World(rank, 2), accum_steps=2, seed=4, batch_size=8
+        )
+        again.load_state_dict(state)
+        assert list(again) == rest
+    assert max(int(heavy_tailed[b].max()) for b in first) == heavy_tailed.max()
