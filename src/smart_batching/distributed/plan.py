@@ -71,7 +71,8 @@ from smart_batching.distributed._balance import (
 from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
-from smart_batching.planners._common import costliest_batch, range_sums_and_maxima
+from smart_batching.planners._common import costliest_batch
+from smart_batching.planners._spec import BatchShapes
 
 COSTS = ("tokens", "attention", "slots")
 
@@ -469,12 +470,12 @@ def _costliest_first(assignment: np.ndarray, units: _Units, plan: BatchPlan) -> 
         return assignment
     ids = flat[slots]  # (num_filled,) units in slot order
     starts, ends = units.start[ids], units.end[ids]
-    tokens, longest = range_sums_and_maxima(plan.seg_lengths[units.order], starts, ends)
     spec = plan.spec
     fixed = spec.fixed_width(int(plan.lengths.max(initial=0)))
-    width = longest if fixed is None else np.full(ids.shape[0], fixed, dtype=np.int64)
+    width = None if fixed is None else np.full(ids.shape[0], fixed, dtype=np.int64)
     # One segment per row where rows are padded (packed rows are measured by their tokens).
-    key, tie_break = spec.costliest_keys(ends - starts, tokens, longest, width)
+    shapes = BatchShapes(ends - starts, width, plan.seg_lengths[units.order], starts, ends)
+    key, tie_break = spec.costliest_keys(shapes)
     best = costliest_batch(np.asarray(key), np.asarray(tie_break))
     step, rank, micro = np.unravel_index(int(slots[best]), assignment.shape)
     assignment[[0, step]] = assignment[[step, 0]]

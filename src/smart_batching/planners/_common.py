@@ -12,7 +12,7 @@ import numpy as np
 from smart_batching.errors import ConfigError, OverlongError
 from smart_batching.plan import OverlongCounts
 from smart_batching.planners._kernels import counting_sort_shuffled, shuffled_permutation
-from smart_batching.planners._spec import OVERLONG_POLICIES, PlannerSpec  # noqa: F401 (re-exported)
+from smart_batching.planners._spec import OVERLONG_POLICIES, BatchShapes, PlannerSpec  # noqa: F401 (re-exported)
 
 
 class Segments(NamedTuple):
@@ -213,27 +213,6 @@ def costliest_batch(key: np.ndarray, tie_break: np.ndarray) -> int:
     return int(tied[np.argmax(tie_break[tied])])
 
 
-def range_sums_and_maxima(
-    values: np.ndarray, starts: np.ndarray, ends: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sum and maximum of ``values[starts[i]:ends[i]]`` for each range ``i`` (0 for an empty one); the
-    ranges may come in any order.
-
-    Returns:
-        ``(sums, maxima)``, each ``(len(starts),)`` int64. Two vectorised passes over ``values``.
-    """
-    if starts.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    csum = np.zeros(values.shape[0] + 1, dtype=np.int64)
-    np.cumsum(values, out=csum[1:])
-    sums = csum[ends] - csum[starts]
-    # One reduceat over interleaved (start, end) bounds; the appended 0 keeps an end bound in range.
-    padded = np.append(values, 0).astype(np.int64, copy=False)
-    maxima = np.maximum.reduceat(padded, np.stack([starts, ends], axis=1).reshape(-1))[::2]
-    maxima[ends <= starts] = 0
-    return sums, maxima
-
-
 def costliest_in_plan(
     spec: PlannerSpec,
     ordered_lengths: np.ndarray,
@@ -241,17 +220,25 @@ def costliest_in_plan(
     batch_offsets: np.ndarray,
     batch_width: np.ndarray,
 ) -> int:
-    """The batch :meth:`PlannerSpec.costliest_keys` ranks first, in a plan laid out as ``batch b = rows [batch_offsets[b], batch_offsets[b+1])``, ``row r = segments
-    [row_offsets[r], row_offsets[r+1])`` over ``ordered_lengths`` (segment lengths in plan order)."""
+    """The batch :meth:`PlannerSpec.costliest_keys` ranks first, in a plan laid out as ``batch b = rows
+    [batch_offsets[b], batch_offsets[b+1])``, ``row r = segments [row_offsets[r], row_offsets[r+1])``
+    over ``ordered_lengths`` (segment lengths in plan order)."""
     bounds = row_offsets[batch_offsets]  # (num_batches + 1,) into the segments
-    tokens, longest = range_sums_and_maxima(ordered_lengths, bounds[:-1], bounds[1:])
-    key, tie_break = spec.costliest_keys(np.diff(batch_offsets), tokens, longest, batch_width)
+    shapes = BatchShapes(np.diff(batch_offsets), batch_width, ordered_lengths, bounds[:-1], bounds[1:])
+    key, tie_break = spec.costliest_keys(shapes)
     return costliest_batch(np.asarray(key), np.asarray(tie_break))
 
 
 def _blocks_swapped(a: np.ndarray, i: int, j: int, k: int) -> np.ndarray:
     """``a[j:k], a[i:j], a[:i], a[k:]``: the block ``[j, k)`` and the block ``[0, i)`` swapped."""
     return np.concatenate([a[j:k], a[i:j], a[:i], a[k:]])
+
+
+def _exchanged(a: np.ndarray, size: int, j: int) -> np.ndarray:
+    """A copy of ``a`` with the blocks ``[0, size)`` and ``[j, j + size)`` exchanged."""
+    out = a.copy()
+    out[:size], out[j : j + size] = a[j : j + size], a[:size]
+    return out
 
 
 def _offsets_of(sizes: np.ndarray) -> np.ndarray:
@@ -282,10 +269,17 @@ def swap_to_front(
         return segment_arrays, row_offsets, batch_offsets, batch_width
     r1, rk, rk1 = (int(x) for x in batch_offsets[[1, k, k + 1]])
     s1, sk, sk1 = (int(x) for x in row_offsets[[r1, rk, rk1]])
+    width = _blocks_swapped(batch_width, 1, k, k + 1)
+    if sk1 - sk == s1 and np.array_equal(np.diff(row_offsets[: r1 + 1]), np.diff(row_offsets[rk : rk1 + 1])):
+        # Batches of one shape (fixed batch sizes): exchange the two blocks, all offsets stay.
+        arrays = tuple(_exchanged(a, s1, sk) for a in segment_arrays)
+        return arrays, row_offsets, batch_offsets, width
     arrays = tuple(_blocks_swapped(a, s1, sk, sk1) for a in segment_arrays)
-    rows = _offsets_of(_blocks_swapped(np.diff(row_offsets), r1, rk, rk1))
+    # Row offsets of each moved block, shifted to where the block now starts (one pass, no cumsum).
+    ro = row_offsets
+    rows = np.concatenate([ro[rk:rk1] - sk, ro[r1:rk] + (sk1 - sk - s1), ro[:r1] + (sk1 - s1), ro[rk1:]])
     batches = _offsets_of(_blocks_swapped(np.diff(batch_offsets), 1, k, k + 1))
-    return arrays, rows, batches, _blocks_swapped(batch_width, 1, k, k + 1)
+    return arrays, rows, batches, width
 
 
 def lead_with_costliest(spec: PlannerSpec, parts: PlanParts) -> PlanParts:

@@ -31,6 +31,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -109,6 +110,78 @@ class UnitLimits:
         if self.max_tokens is not None:
             most = min(most, self.max_tokens // max(longest, 1))
         return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
+
+
+def range_sums_and_maxima(
+    values: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum and maximum of ``values[starts[i]:ends[i]]`` for each range ``i`` (0 for an empty one); the
+    ranges may come in any order.
+
+    Returns:
+        ``(sums, maxima)``, each ``(len(starts),)`` int64. Two vectorised passes over ``values``.
+    """
+    if starts.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    csum = np.zeros(values.shape[0] + 1, dtype=np.int64)
+    np.cumsum(values, out=csum[1:])
+    sums = csum[ends] - csum[starts]
+    # One reduceat over interleaved (start, end) bounds; the appended 0 keeps an end bound in range.
+    padded = np.append(values, 0).astype(np.int64, copy=False)
+    maxima = np.maximum.reduceat(padded, np.stack([starts, ends], axis=1).reshape(-1))[::2]
+    maxima[ends <= starts] = 0
+    return sums, maxima
+
+
+class BatchShapes:
+    """What the costliest-first rule may ask of each batch (:meth:`PlannerSpec.costliest_keys`), over
+    ``(num_batches,)`` arrays; ``tokens`` and ``longest`` each cost one pass over the segments, made
+    only when asked.
+
+    Args:
+        rows: rows of each batch.
+        width: padded tokens per row of each batch; None: each batch's longest segment.
+        lengths: segment lengths; batch ``b`` holds ``lengths[starts[b]:ends[b]]``.
+    """
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        width: np.ndarray | None,
+        lengths: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+    ) -> None:
+        self.rows = rows
+        self._width = width
+        self._lengths, self._starts, self._ends = lengths, starts, ends
+        # Consecutive, non-empty batches (every plan's): a reduceat each, no copies.
+        self._consecutive = bool(
+            starts.shape[0]
+            and starts[0] == 0
+            and np.all(ends > starts)
+            and np.array_equal(starts[1:], ends[:-1])
+        )
+
+    @cached_property
+    def width(self) -> np.ndarray:
+        return self.longest if self._width is None else self._width
+
+    def _reduce(self, ufunc: np.ufunc) -> np.ndarray:
+        if self._consecutive:
+            return ufunc.reduceat(self._lengths[: int(self._ends[-1])], self._starts).astype(np.int64)
+        sums, maxima = range_sums_and_maxima(self._lengths, self._starts, self._ends)
+        return sums if ufunc is np.add else maxima
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """Real tokens of each batch."""
+        return self._reduce(np.add)
+
+    @cached_property
+    def longest(self) -> np.ndarray:
+        """Tokens of each batch's longest segment."""
+        return self._reduce(np.maximum)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,31 +282,18 @@ class PlannerSpec:
         """
         return bool(getattr(self, "costliest_first", False))
 
-    def footprint(self, rows: np.ndarray, tokens: np.ndarray, width: np.ndarray) -> np.ndarray:
-        """Memory footprint of batches in token positions, vectorised over batches: what a step holds in
+    def footprint(self, shapes: BatchShapes) -> np.ndarray:
+        """Memory footprint of batches in token positions, ``(num_batches,)``: what a step holds in
         activations. Rows padded to a width cost ``rows × width`` (token slots); rows that hold several
         examples are flattened into one padding-free sequence by the packing collator and cost their
-        real ``tokens``. Ties are broken by the longest segment (attention cost), outside this method.
+        real ``tokens``."""
+        return shapes.tokens if self.packs_rows else shapes.rows * shapes.width
 
-        Args:
-            rows: ``(num_batches,)`` rows of each batch.
-            tokens: ``(num_batches,)`` real tokens of each batch.
-            width: ``(num_batches,)`` padded tokens per row.
-        """
-        return tokens if self.packs_rows else rows * width
-
-    def costliest_keys(
-        self, rows: np.ndarray, tokens: np.ndarray, longest: np.ndarray, width: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def costliest_keys(self, shapes: BatchShapes) -> tuple[np.ndarray, np.ndarray]:
         """How batches rank for :meth:`leads_with_costliest`: ``(key, tie-break)``, each
         ``(num_batches,)``; the largest key wins, ties go to the largest tie-break, then to the first
-        batch. Default: the :meth:`footprint`, ties to the longest segment (attention cost).
-
-        Args:
-            rows, tokens, width: as :meth:`footprint`.
-            longest: ``(num_batches,)`` tokens of each batch's longest segment.
-        """
-        return self.footprint(rows, tokens, width), longest
+        batch. Default: the :meth:`footprint`, ties to the longest segment (attention cost)."""
+        return self.footprint(shapes), shapes.longest
 
     def check_streamable(self) -> None:
         """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can)."""

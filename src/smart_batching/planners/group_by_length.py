@@ -43,7 +43,7 @@ from smart_batching.planners._common import (
 )
 from smart_batching.planners._kernels import sort_blocks_descending
 from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
-from smart_batching.planners._spec import Knobs
+from smart_batching.planners._spec import BatchShapes, Knobs
 
 MODES = ("megabatch", "sorted")
 
@@ -91,11 +91,9 @@ class GroupByLengthSpec(PlannerSpec):
         that an out-of-memory shows at the first step, in both modes and on any number of processes."""
         return True
 
-    def costliest_keys(
-        self, rows: np.ndarray, tokens: np.ndarray, longest: np.ndarray, width: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def costliest_keys(self, shapes: BatchShapes) -> tuple[np.ndarray, np.ndarray]:
         """HF's rule: the longest example first; ties to the largest footprint (a full batch first)."""
-        return longest, self.footprint(rows, tokens, width)
+        return shapes.longest, self.footprint(shapes)
 
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
