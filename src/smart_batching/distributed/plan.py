@@ -28,9 +28,9 @@ all-reduce, so the micro-batches of one step are chosen together:
    (:meth:`~smart_batching.planners.PlannerSpec.leads_with_costliest`: ``group_by_length`` always,
    like HF; ``token_budget`` and ``packed`` with ``costliest_first``): the step holding the costliest
    micro-batch on any rank (the largest footprint; for ``group_by_length`` the longest example) is
-   swapped with step 0, and that micro-batch with micro-batch 0
-   of its rank, so a budget that does not fit fails at the first step. Whole steps move, so every
-   step's balance stays exactly as it was; in randomness it costs one step position per epoch.
+   swapped with step 0, and that micro-batch with micro-batch 0 of its rank, so a budget that does
+   not fit fails at the first step. Whole steps move, so every step's balance stays exactly as it
+   was; in randomness it costs one step position per epoch.
 
 Cost: the vectorised deal is O(B log B) over B micro-batches; the loops over one step's segments (the
 tail's deal, re-dealing, re-forming) pick the cheapest rank through heaps (compiled where they deal a
@@ -457,9 +457,10 @@ def _shuffle_steps(assignment: np.ndarray, seed: int, epoch: int) -> np.ndarray:
 def _costliest_first(assignment: np.ndarray, units: _Units, plan: BatchPlan) -> np.ndarray:
     """Phase 7, in place: the step holding the costliest micro-batch (as the spec ranks them,
     :meth:`~smart_batching.planners.PlannerSpec.costliest_keys`: the largest footprint, ties to the
-    longest segment; ``group_by_length`` the longest segment; then the first slot) is swapped with step 0, and that micro-batch with micro-batch 0 of its rank. A
-    permutation of whole steps (and of micro-batches inside one rank's step): every rank's cost at
-    every step is unchanged. O(num_slots + num_segments), vectorised::
+    longest segment; ``group_by_length`` the longest segment; then the first slot) is swapped with
+    step 0, and that micro-batch with micro-batch 0 of its rank. A permutation of whole steps (and of
+    micro-batches inside one rank's step): every rank's cost at every step is unchanged.
+    O(num_slots + num_segments), vectorised::
 
         steps      s0 s1 s2 s3        costliest micro-batch: rank 1, micro-batch 1 of s2
         ->         s2 s1 s0 s3        rank 1 of the new s0 runs it as micro-batch 0
