@@ -14,6 +14,7 @@ from test_planners import check_plan
 
 import smart_batching as sb
 from smart_batching.distributed import distribute
+from smart_batching.errors import ConfigError
 from smart_batching.planners import REGISTRY, GroupByLengthSpec, make_spec
 from smart_batching.streaming import StreamingBatcher
 
@@ -116,6 +117,12 @@ def test_costliest_first_off_is_the_planner_order(name: str, options: dict, leng
         on = sb.plan_batches(lengths, name, seed=seed, **options)
         assert on.fingerprint != off.fingerprint  # the option is part of what produced the plan
         assert sorted(map(sorted, on.to_lists())) == sorted(map(sorted, off.to_lists()))
+
+
+@pytest.mark.parametrize("name", ["token_budget", "packed"])
+def test_costliest_first_must_be_a_bool(name: str) -> None:
+    with pytest.raises(ConfigError, match="costliest_first="):
+        make_spec(name, costliest_first="no")
 
 
 def test_unshuffled_packing_keeps_its_order() -> None:

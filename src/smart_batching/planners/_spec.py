@@ -208,6 +208,10 @@ class PlannerSpec:
                 f"{type(self).__name__}: {field_name}= must be a positive integer, got {value!r}"
             )
 
+    def _check_bool(self, field_name: str, value: Any) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise ConfigError(f"{type(self).__name__}: {field_name}= must be True or False, got {value!r}")
+
     def _check_overlong(self, value: str) -> None:
         if value not in OVERLONG_POLICIES:
             raise ConfigError(

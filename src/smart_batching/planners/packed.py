@@ -100,6 +100,7 @@ class PackedSpec(PlannerSpec):
         self._check_positive("capacity", self.capacity)
         self._check_positive("rows_per_batch", self.rows_per_batch)
         self._check_overlong(self.overlong)
+        self._check_bool("costliest_first", self.costliest_first)
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(
                 f"PackedSpec: algorithm= must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}"

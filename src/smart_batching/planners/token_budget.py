@@ -62,6 +62,7 @@ class TokenBudgetSpec(PlannerSpec):
         self._check_positive("max_batch_size", self.max_batch_size, allow_none=True)
         self._check_positive("max_length", self.max_length, allow_none=True)
         self._check_overlong(self.overlong)
+        self._check_bool("costliest_first", self.costliest_first)
         if self.max_length is not None and self.max_length > self.max_tokens:
             raise ConfigError(
                 f"TokenBudgetSpec: max_length={self.max_length} exceeds max_tokens={self.max_tokens}; "
