@@ -24,6 +24,13 @@ all-reduce, so the micro-batches of one step are chosen together:
    few more where long examples that fill a token budget alone leave their steps light (LIMA, token
    budget 8192: 49 steps become 52 on 2 ranks).
 6. The order of steps is shuffled (seeded): every rank computes the same plan with no communication.
+7. The costliest step first, where the strategy's single-process plan has the rule
+   (:meth:`~smart_batching.planners.PlannerSpec.leads_with_costliest`: ``group_by_length`` always,
+   like HF; ``token_budget`` and ``packed`` with ``costliest_first``): the step holding the costliest
+   micro-batch on any rank (the largest footprint; for ``group_by_length`` the longest example) is
+   swapped with step 0, and that micro-batch with micro-batch 0 of its rank, so a budget that does
+   not fit fails at the first step. Whole steps move, so every step's balance stays exactly as it
+   was; in randomness it costs one step position per epoch.
 
 Cost: the vectorised deal is O(B log B) over B micro-batches; the loops over one step's segments (the
 tail's deal, re-dealing, re-forming) pick the cheapest rank through heaps (compiled where they deal a
@@ -64,6 +71,8 @@ from smart_batching.distributed._balance import (
 from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
+from smart_batching.planners._common import costliest_batch
+from smart_batching.planners._spec import BatchShapes
 
 COSTS = ("tokens", "attention", "slots")
 
@@ -234,7 +243,7 @@ def distribute(
     the plan a unit, with its cost), :func:`_deal_tail` (units by cost in whole steps of
     ``G = world_size × accum_steps``; the ragged tail dealt again), :func:`_snake_deal` (each step's
     slots to ranks), :func:`_balance_uneven` and :func:`_reform_uneven` (steps still uneven, see
-    :mod:`._tuning` for the thresholds), :func:`_shuffle_steps`.
+    :mod:`._tuning` for the thresholds), :func:`_shuffle_steps`, :func:`_costliest_first`.
     """
     if world_size < 1 or accum_steps < 1:
         raise ConfigError(f"world_size= and accum_steps= must be ≥ 1, got {world_size} and {accum_steps}")
@@ -251,6 +260,8 @@ def distribute(
         reformer = Reformer(seg_cost, plan.seg_lengths, limits, world_size, accum_steps, cost, balance_rounds)
         assignment = _reform_uneven(assignment, units, seg_cost, reformer, max_extra_steps)
     assignment = _shuffle_steps(assignment, seed, plan.epoch)
+    if plan.spec.leads_with_costliest():
+        assignment = _costliest_first(assignment, units, plan)
     return DistributedPlan(
         plan, world_size, accum_steps, cost, units.order, units.start, units.end, assignment, units.costs
     )
@@ -441,3 +452,33 @@ def _shuffle_steps(assignment: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     num_steps, world_size, accum_steps = assignment.shape
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), world_size, accum_steps]))
     return assignment[rng.permutation(num_steps)]
+
+
+def _costliest_first(assignment: np.ndarray, units: _Units, plan: BatchPlan) -> np.ndarray:
+    """Phase 7, in place: the step holding the costliest micro-batch (as the spec ranks them,
+    :meth:`~smart_batching.planners.PlannerSpec.costliest_keys`: the largest footprint, ties to the
+    longest segment; ``group_by_length`` the longest segment; then the first slot) is swapped with
+    step 0, and that micro-batch with micro-batch 0 of its rank. A permutation of whole steps (and of
+    micro-batches inside one rank's step): every rank's cost at every step is unchanged.
+    O(num_slots + num_segments), vectorised::
+
+        steps      s0 s1 s2 s3        costliest micro-batch: rank 1, micro-batch 1 of s2
+        ->         s2 s1 s0 s3        rank 1 of the new s0 runs it as micro-batch 0
+    """
+    flat = assignment.reshape(-1)  # (num_slots,) step-major
+    slots = np.flatnonzero(flat >= 0)
+    if slots.size == 0:
+        return assignment
+    ids = flat[slots]  # (num_filled,) units in slot order
+    starts, ends = units.start[ids], units.end[ids]
+    spec = plan.spec
+    fixed = spec.fixed_width(int(plan.lengths.max(initial=0)))
+    width = None if fixed is None else np.full(ids.shape[0], fixed, dtype=np.int64)
+    # One segment per row where rows are padded (packed rows are measured by their tokens).
+    shapes = BatchShapes(ends - starts, width, plan.seg_lengths[units.order], starts, ends)
+    key, tie_break = spec.costliest_keys(shapes)
+    best = costliest_batch(np.asarray(key), np.asarray(tie_break))
+    step, rank, micro = np.unravel_index(int(slots[best]), assignment.shape)
+    assignment[[0, step]] = assignment[[step, 0]]
+    assignment[0, rank, [0, micro]] = assignment[0, rank, [micro, 0]]
+    return assignment

@@ -26,7 +26,7 @@ import numpy as np
 
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan, as_lengths
-from smart_batching.planners._common import PlanParts
+from smart_batching.planners._common import PlanParts, lead_with_costliest
 from smart_batching.planners._rounds import Cut, Room, Tuning
 from smart_batching.planners._spec import OVERLONG_POLICIES, Knobs, PlannerSpec, UnitLimits
 from smart_batching.planners.group_by_length import GroupByLengthSpec, plan_group_by_length
@@ -177,6 +177,8 @@ def plan_batches(
             raise ConfigError(f"{name}= must be a non-negative integer, got {value!r}")
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
     parts = REGISTRY[spec.name][1](lengths, spec, rng)
+    if spec.leads_with_costliest():
+        parts = lead_with_costliest(spec, parts)  # the batch that fills memory most goes first
     segs = parts.segments
     order = parts.order
     whole = segs.example_ids.shape[0] == lengths.shape[0] and segs.overlong.num_over_limit == 0

@@ -12,7 +12,7 @@ import numpy as np
 from smart_batching.errors import ConfigError, OverlongError
 from smart_batching.plan import OverlongCounts
 from smart_batching.planners._kernels import counting_sort_shuffled, shuffled_permutation
-from smart_batching.planners._spec import OVERLONG_POLICIES, PlannerSpec  # noqa: F401 (re-exported)
+from smart_batching.planners._spec import OVERLONG_POLICIES, BatchShapes, PlannerSpec  # noqa: F401 (re-exported)
 
 
 class Segments(NamedTuple):
@@ -199,3 +199,103 @@ def permute_batches(
     shift = np.repeat(offsets[:-1][perm] - new_offsets[:-1], sizes)
     src = np.arange(int(new_offsets[-1]), dtype=np.int64) + shift
     return order[src], new_offsets
+
+
+# --- The costliest batch first (PlannerSpec.leads_with_costliest) ----------------------------------
+
+
+def costliest_batch(key: np.ndarray, tie_break: np.ndarray) -> int:
+    """Index of the batch with the largest ``key``, ties to the largest ``tie_break``, then to the first
+    (a plan whose batch 0 already ties for the top stays as it is); -1 without batches. O(num_batches)."""
+    if key.size == 0:
+        return -1
+    tied = np.flatnonzero(key == key.max())  # (num_tied,)
+    return int(tied[np.argmax(tie_break[tied])])
+
+
+def costliest_in_plan(
+    spec: PlannerSpec,
+    ordered_lengths: np.ndarray,
+    row_offsets: np.ndarray,
+    batch_offsets: np.ndarray,
+    batch_width: np.ndarray,
+) -> int:
+    """The batch :meth:`PlannerSpec.costliest_keys` ranks first, in a plan laid out as ``batch b = rows
+    [batch_offsets[b], batch_offsets[b+1])``, ``row r = segments [row_offsets[r], row_offsets[r+1])``
+    over ``ordered_lengths`` (segment lengths in plan order)."""
+    bounds = row_offsets[batch_offsets]  # (num_batches + 1,) into the segments
+    shapes = BatchShapes(np.diff(batch_offsets), batch_width, ordered_lengths, bounds[:-1], bounds[1:])
+    key, tie_break = spec.costliest_keys(shapes)
+    return costliest_batch(np.asarray(key), np.asarray(tie_break))
+
+
+def _blocks_swapped(a: np.ndarray, i: int, j: int, k: int) -> np.ndarray:
+    """``a[j:k], a[i:j], a[:i], a[k:]``: the block ``[j, k)`` and the block ``[0, i)`` swapped."""
+    return np.concatenate([a[j:k], a[i:j], a[:i], a[k:]])
+
+
+def _exchanged(a: np.ndarray, size: int, j: int) -> np.ndarray:
+    """A copy of ``a`` with the blocks ``[0, size)`` and ``[j, j + size)`` exchanged."""
+    out = a.copy()
+    out[:size], out[j : j + size] = a[j : j + size], a[:size]
+    return out
+
+
+def _offsets_of(sizes: np.ndarray) -> np.ndarray:
+    out = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
+def swap_to_front(
+    k: int,
+    segment_arrays: tuple[np.ndarray, ...],
+    row_offsets: np.ndarray,
+    batch_offsets: np.ndarray,
+    batch_width: np.ndarray,
+) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """Swap batch ``k`` with batch 0 (not a sort: every other batch keeps its place)::
+
+        batches   B0 B1 B2 B3 B4      k = 3      ->   B3 B1 B2 B0 B4
+
+    Args:
+        segment_arrays: arrays over segments in plan order (the order, its lengths), swapped alike.
+
+    Returns:
+        ``(segment_arrays, row_offsets, batch_offsets, batch_width)`` of the new plan. Vectorised
+        copies, no Python work per batch or example.
+    """
+    if k <= 0:
+        return segment_arrays, row_offsets, batch_offsets, batch_width
+    r1, rk, rk1 = (int(x) for x in batch_offsets[[1, k, k + 1]])
+    s1, sk, sk1 = (int(x) for x in row_offsets[[r1, rk, rk1]])
+    width = _blocks_swapped(batch_width, 1, k, k + 1)
+    if sk1 - sk == s1 and np.array_equal(np.diff(row_offsets[: r1 + 1]), np.diff(row_offsets[rk : rk1 + 1])):
+        # Batches of one shape (fixed batch sizes): exchange the two blocks, all offsets stay.
+        arrays = tuple(_exchanged(a, s1, sk) for a in segment_arrays)
+        return arrays, row_offsets, batch_offsets, width
+    arrays = tuple(_blocks_swapped(a, s1, sk, sk1) for a in segment_arrays)
+    # Row offsets of each moved block, shifted to where the block now starts (one pass, no cumsum).
+    ro = row_offsets
+    rows = np.concatenate([ro[rk:rk1] - sk, ro[r1:rk] + (sk1 - sk - s1), ro[:r1] + (sk1 - s1), ro[rk1:]])
+    batches = _offsets_of(_blocks_swapped(np.diff(batch_offsets), 1, k, k + 1))
+    return arrays, rows, batches, width
+
+
+def lead_with_costliest(spec: PlannerSpec, parts: PlanParts) -> PlanParts:
+    """``parts`` with its costliest batch swapped to the front (see
+    :meth:`PlannerSpec.leads_with_costliest`); the segments stay the same, only the order of batches
+    changes. O(num_segments) in vectorised passes (a sum, a maximum, a copy)."""
+    ordered = parts.segments.lengths[parts.order] if parts.ordered_lengths is None else parts.ordered_lengths
+    parts = parts._replace(ordered_lengths=ordered)
+    if parts.batch_offsets.shape[0] <= 2:
+        return parts
+    k = costliest_in_plan(spec, ordered, parts.row_offsets, parts.batch_offsets, parts.batch_width)
+    if k <= 0:
+        return parts
+    (order, ordered), rows, batches, width = swap_to_front(
+        k, (parts.order, ordered), parts.row_offsets, parts.batch_offsets, parts.batch_width
+    )
+    return parts._replace(
+        order=order, row_offsets=rows, batch_offsets=batches, batch_width=width, ordered_lengths=ordered
+    )

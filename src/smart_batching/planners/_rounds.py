@@ -8,11 +8,20 @@ that could still grow), within ``room``. Pure NumPy, like the planners.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from smart_batching.planners._common import fixed_offsets, permutation, permute_batches
+from smart_batching.planners._common import (
+    costliest_in_plan,
+    fixed_offsets,
+    permutation,
+    permute_batches,
+    swap_to_front,
+)
+
+if TYPE_CHECKING:
+    from smart_batching.planners._spec import PlannerSpec
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -101,3 +110,17 @@ def fixed_size_round(
     else:
         widths = batch_max(lens, order, offsets)
     return padded_cut(order, offsets, widths, keep, drop)
+
+
+def lead_with_costliest(spec: PlannerSpec, lens: np.ndarray, cut: Cut) -> Cut:
+    """``cut`` with its costliest batch swapped to the front
+    (:meth:`~smart_batching.planners.PlannerSpec.leads_with_costliest`); ``lens``: the buffer's
+    segment lengths. The streaming planner asks it for the first round of an epoch only."""
+    if cut.batch_offsets.shape[0] <= 2:
+        return cut
+    ordered = lens[cut.order]  # (num_emitted,)
+    k = costliest_in_plan(spec, ordered, cut.row_offsets, cut.batch_offsets, cut.batch_width)
+    (order,), rows, batches, width = swap_to_front(
+        k, (cut.order,), cut.row_offsets, cut.batch_offsets, cut.batch_width
+    )
+    return cut._replace(order=order, row_offsets=rows, batch_offsets=batches, batch_width=width)

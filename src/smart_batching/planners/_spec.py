@@ -16,6 +16,7 @@ limits after balancing      ``spec.unit_limits()`` (:class:`UnitLimits`)
 a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` or None)
 ``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
 largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
+costliest batch first?      ``spec.leads_with_costliest()``; ranked by ``spec.costliest_keys(...)``
 one-line description        ``cls.description``; option docs: ``cls.option_docs()``
 HF sampling it implements   ``cls.hf_sampling`` (a ``TrainingArguments.train_sampling_strategy``)
 ==========================  =======================================================================
@@ -31,6 +32,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -111,6 +113,78 @@ class UnitLimits:
         return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
 
 
+def range_sums_and_maxima(
+    values: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum and maximum of ``values[starts[i]:ends[i]]`` for each range ``i`` (0 for an empty one); the
+    ranges may come in any order.
+
+    Returns:
+        ``(sums, maxima)``, each ``(len(starts),)`` int64. Two vectorised passes over ``values``.
+    """
+    if starts.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    csum = np.zeros(values.shape[0] + 1, dtype=np.int64)
+    np.cumsum(values, out=csum[1:])
+    sums = csum[ends] - csum[starts]
+    # One reduceat over interleaved (start, end) bounds; the appended 0 keeps an end bound in range.
+    padded = np.append(values, 0).astype(np.int64, copy=False)
+    maxima = np.maximum.reduceat(padded, np.stack([starts, ends], axis=1).reshape(-1))[::2]
+    maxima[ends <= starts] = 0
+    return sums, maxima
+
+
+class BatchShapes:
+    """What the costliest-first rule may ask of each batch (:meth:`PlannerSpec.costliest_keys`), over
+    ``(num_batches,)`` arrays; ``tokens`` and ``longest`` each cost one pass over the segments, made
+    only when asked.
+
+    Args:
+        rows: rows of each batch.
+        width: padded tokens per row of each batch; None: each batch's longest segment.
+        lengths: segment lengths; batch ``b`` holds ``lengths[starts[b]:ends[b]]``.
+    """
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        width: np.ndarray | None,
+        lengths: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+    ) -> None:
+        self.rows = rows
+        self._width = width
+        self._lengths, self._starts, self._ends = lengths, starts, ends
+        # Consecutive, non-empty batches (every plan's): a reduceat each, no copies.
+        self._consecutive = bool(
+            starts.shape[0]
+            and starts[0] == 0
+            and np.all(ends > starts)
+            and np.array_equal(starts[1:], ends[:-1])
+        )
+
+    @cached_property
+    def width(self) -> np.ndarray:
+        return self.longest if self._width is None else self._width
+
+    def _reduce(self, ufunc: np.ufunc) -> np.ndarray:
+        if self._consecutive:
+            return ufunc.reduceat(self._lengths[: int(self._ends[-1])], self._starts).astype(np.int64)
+        sums, maxima = range_sums_and_maxima(self._lengths, self._starts, self._ends)
+        return sums if ufunc is np.add else maxima
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """Real tokens of each batch."""
+        return self._reduce(np.add)
+
+    @cached_property
+    def longest(self) -> np.ndarray:
+        """Tokens of each batch's longest segment."""
+        return self._reduce(np.maximum)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlannerSpec:
     """Base of the per-strategy specs. Subclasses are frozen, keyword-only, validated on creation, and
@@ -137,6 +211,10 @@ class PlannerSpec:
             raise ConfigError(
                 f"{type(self).__name__}: {field_name}= must be a positive integer, got {value!r}"
             )
+
+    def _check_bool(self, field_name: str, value: Any) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise ConfigError(f"{type(self).__name__}: {field_name}= must be True or False, got {value!r}")
 
     def _check_overlong(self, value: str) -> None:
         if value not in OVERLONG_POLICIES:
@@ -198,6 +276,32 @@ class PlannerSpec:
         with a little slack (an eighth) for the balancer's moves."""
         bs = getattr(self, "batch_size", None)
         return UnitLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
+
+    def leads_with_costliest(self) -> bool:
+        """Whether the batch with the largest :meth:`footprint` goes first (step 0 of every epoch; on
+        several processes the optimizer step holding it, see :func:`~smart_batching.distributed.distribute`),
+        so that a budget that does not fit fails at the first step and not hours later.
+
+        Default: the spec's ``costliest_first`` option, False for a spec without one. A new strategy
+        gets the rule by declaring ``costliest_first: bool = True``; the swap itself is done outside the
+        planner (:func:`~smart_batching.planners._common.lead_with_costliest`), ranking batches by
+        :meth:`costliest_keys`. Its cost in randomness: one batch per epoch moved to the front by a
+        swap with batch 0; the rest keeps its order.
+        """
+        return bool(getattr(self, "costliest_first", False))
+
+    def footprint(self, shapes: BatchShapes) -> np.ndarray:
+        """Memory footprint of batches in token positions, ``(num_batches,)``: what a step holds in
+        activations. Rows padded to a width cost ``rows × width`` (token slots); rows that hold several
+        examples are flattened into one padding-free sequence by the packing collator and cost their
+        real ``tokens``."""
+        return shapes.tokens if self.packs_rows else shapes.rows * shapes.width
+
+    def costliest_keys(self, shapes: BatchShapes) -> tuple[np.ndarray, np.ndarray]:
+        """How batches rank for :meth:`leads_with_costliest`: ``(key, tie-break)``, each
+        ``(num_batches,)``; the largest key wins, ties go to the largest tie-break, then to the first
+        batch. Default: the :meth:`footprint`, ties to the longest segment (attention cost)."""
+        return self.footprint(shapes), shapes.longest
 
     def check_streamable(self) -> None:
         """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can)."""

@@ -10,6 +10,13 @@ Two modes:
 - ``"sorted"``: sort the whole dataset by length (ties at random), cut into batches, shuffle batches.
   Tightest padding; batch order is random but each batch is homogeneous.
 
+In both modes the batch holding the longest example goes first, HF's rule
+(:meth:`GroupByLengthSpec.leads_with_costliest`; ties to the largest footprint, rows × longest). With
+full batches it is also the batch of the largest footprint. Megabatch mode has it already; sorted mode
+swaps it with batch 0 after the shuffle, which costs one batch position per epoch in randomness. (In
+sorted mode the last, incomplete batch holds the longest examples: it goes first, as HF's rule says,
+even where a full batch before it has more token slots.)
+
 Both are O(n): one permutation plus radix argsorts (lengths below 65,536). 10M examples: about 0.6 s
 here, against 6.7 s for transformers' ``LengthGroupedSampler``.
 """
@@ -36,7 +43,7 @@ from smart_batching.planners._common import (
 )
 from smart_batching.planners._kernels import sort_blocks_descending
 from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
-from smart_batching.planners._spec import Knobs
+from smart_batching.planners._spec import BatchShapes, Knobs
 
 MODES = ("megabatch", "sorted")
 
@@ -79,6 +86,15 @@ class GroupByLengthSpec(PlannerSpec):
     @classmethod
     def options_from(cls, knobs: Knobs) -> dict[str, Any]:
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
+
+    def leads_with_costliest(self) -> bool:
+        """Always: HF's ``LengthGroupedSampler`` puts the megabatch with the longest example first so
+        that an out-of-memory shows at the first step, in both modes and on any number of processes."""
+        return True
+
+    def costliest_keys(self, shapes: BatchShapes) -> tuple[np.ndarray, np.ndarray]:
+        """HF's rule: the longest example first; ties to the largest footprint (a full batch first)."""
+        return shapes.longest, self.footprint(shapes)
 
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning

@@ -76,6 +76,11 @@ class PackedSpec(PlannerSpec):
             :func:`refine` (large-neighbourhood search) while above the lower bound.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``capacity``.
         shuffle: shuffle rows (True) or keep them in packing order (longest first).
+        costliest_first: with ``shuffle``, put the batch with the largest footprint (its real tokens,
+            which the packing collator flattens into one sequence; ties to the longest example) first in
+            every epoch, so a capacity that does not fit fails at step 1. Its cost in randomness: that one
+            batch is swapped with batch 0 (a random one, which takes its place); every other batch keeps
+            its shuffled position. Without ``shuffle`` the packing order is kept as it is.
     """
 
     name: ClassVar[str] = "packed"
@@ -89,11 +94,13 @@ class PackedSpec(PlannerSpec):
     algorithm: str = "auto"
     overlong: str = "error"
     shuffle: bool = True
+    costliest_first: bool = True
 
     def __post_init__(self) -> None:
         self._check_positive("capacity", self.capacity)
         self._check_positive("rows_per_batch", self.rows_per_batch)
         self._check_overlong(self.overlong)
+        self._check_bool("costliest_first", self.costliest_first)
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(
                 f"PackedSpec: algorithm= must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}"
@@ -108,6 +115,9 @@ class PackedSpec(PlannerSpec):
 
     def token_limit(self) -> tuple[int | None, str]:
         return self.capacity, "capacity"
+
+    def leads_with_costliest(self) -> bool:
+        return self.costliest_first and self.shuffle
 
     def unit_limits(self) -> UnitLimits:
         return UnitLimits(self.capacity, self.rows_per_batch, None, None)

@@ -40,6 +40,10 @@ class TokenBudgetSpec(PlannerSpec):
         max_batch_size: most examples per batch; None means no limit.
         max_length: most tokens per example; None means ``max_tokens``. Longer ones follow ``overlong``.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over the limit.
+        costliest_first: put the batch with the largest footprint (rows × longest, ties to the longest
+            example) first in every epoch, so a budget that does not fit fails at step 1. Its cost in
+            randomness: that one batch is swapped with batch 0 (a random one, which takes its place);
+            every other batch keeps its shuffled position. False: the shuffled order as it is.
     """
 
     name: ClassVar[str] = "token_budget"
@@ -50,6 +54,7 @@ class TokenBudgetSpec(PlannerSpec):
     max_batch_size: int | None = None
     max_length: int | None = None
     overlong: str = "error"
+    costliest_first: bool = True
 
     def __post_init__(self) -> None:
         self._check_positive("max_tokens", self.max_tokens)
@@ -57,6 +62,7 @@ class TokenBudgetSpec(PlannerSpec):
         self._check_positive("max_batch_size", self.max_batch_size, allow_none=True)
         self._check_positive("max_length", self.max_length, allow_none=True)
         self._check_overlong(self.overlong)
+        self._check_bool("costliest_first", self.costliest_first)
         if self.max_length is not None and self.max_length > self.max_tokens:
             raise ConfigError(
                 f"TokenBudgetSpec: max_length={self.max_length} exceeds max_tokens={self.max_tokens}; "

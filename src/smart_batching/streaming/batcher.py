@@ -12,7 +12,7 @@ from smart_batching.errors import ConfigError, DataError, OverlongError, SmartBa
 from smart_batching.plan import Segment
 from smart_batching.planners import Room, Tuning, make_spec, spec_class, strategy_names
 from smart_batching.planners._common import apply_overlong
-from smart_batching.planners._rounds import fits
+from smart_batching.planners._rounds import fits, lead_with_costliest
 from smart_batching.streaming._reader import _is_opener, _Reader
 from smart_batching.streaming._rounds import (
     _INF,
@@ -58,6 +58,12 @@ class StreamingBatcher:
         batcher = StreamingBatcher(ds, "packed", capacity=4096, buffer_size=10_000)
         for features in batcher:           # list of example dicts: one packed row per batch
             batch = PackingCollator()(features)
+
+    The costliest batch first (``group_by_length``; ``token_budget`` and ``packed`` with
+    ``costliest_first``, the default): the stream is never in view as a whole, so the batch with the
+    largest footprint of the *first round* (the first buffer) goes first in each epoch, a swap with
+    that round's batch 0. That is enough to fail at step 1 on a budget that cannot fit the data's
+    typical longest examples; a rarer, longer one further down the stream still comes when it comes.
 
     Args:
         source: The stream: an iterable of tokenized examples (mappings with ``input_ids``), of integer
@@ -502,6 +508,10 @@ class StreamingBatcher:
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, self._epoch, self._rounds]))
         tuning = Tuning(self.min_row_fill, self.reserve)
         cut = self.spec.plan_round(buf.seg_lengths, rng, room, tuning)
+        if self._rounds == 0 and self.spec.leads_with_costliest():
+            # The first round's costliest batch first: the whole stream is never in view, and the
+            # first buffer is a fair sample of it, enough to fail at step 1 on a budget that cannot fit.
+            cut = lead_with_costliest(self.spec, buf.seg_lengths, cut)
         self._rounds += 1
         em = _Emission(buf.take(cut.order), cut.row_offsets, cut.batch_offsets, cut.batch_width)
         self._buffer = buf.take(cut.keep)
