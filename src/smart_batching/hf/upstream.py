@@ -5,7 +5,7 @@ One line on a trainer (``apply_smart_batching(sft_trainer, "packed")``) changes 
 else: the same documents, the same tokens in the loss, the same attention boundaries as the trainer
 alone. :data:`UPSTREAM_OPTIONS` says, for each option of ``TrainingArguments`` and TRL's ``SFTConfig``
 that touches the data path, what smart batching does with it; the README's table is this table
-(``tests/test_upstream_options.py`` holds each row). :func:`resolve_upstream` applies it when
+(``tests/conformance/test_upstream_options.py`` holds each row). :func:`resolve_upstream` applies it when
 smart batching is set up: options it honours fill in strategy options the caller left out (an option
 given in ``strategy_options`` wins), and combinations it cannot honour raise
 :class:`~smart_batching.errors.ConfigError` naming the setting to change. Nothing is dropped silently.

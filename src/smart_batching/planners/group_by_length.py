@@ -46,6 +46,7 @@ from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
 from smart_batching.planners._spec import BatchShapes, Knobs
 
 MODES = ("megabatch", "sorted")
+GENERATORS = ("numpy", "torch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,13 @@ class GroupByLengthSpec(PlannerSpec):
         drop_last: leave out the last incomplete batch (its examples are counted as dropped).
         max_length: most tokens per example; None means no limit. Longer ones follow ``overlong``.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``max_length``.
+        generator: where the megabatch permutation comes from. ``"numpy"`` (the default): our compiled
+            permutation, HF's distribution. ``"torch"``: ``torch.randperm(n, generator=
+            torch.Generator().manual_seed(seed))`` as HF's ``get_length_grouped_indices`` draws it, the
+            ``epoch + 1``-th draw for epoch ``epoch``: the very order ``LengthGroupedSampler(batch_size,
+            lengths=lengths, generator=torch.Generator().manual_seed(seed))`` yields on its
+            ``epoch + 1``-th pass (``tests/conformance``). For reproducing an HF run; it costs
+            ``epoch + 1`` torch permutations and is not for streams.
     """
 
     name: ClassVar[str] = "group_by_length"
@@ -72,8 +80,17 @@ class GroupByLengthSpec(PlannerSpec):
     drop_last: bool = False
     max_length: int | None = None
     overlong: str = "error"
+    generator: str = "numpy"
 
     def __post_init__(self) -> None:
+        if self.generator not in GENERATORS:
+            raise ConfigError(
+                f"GroupByLengthSpec: generator= must be one of {', '.join(GENERATORS)}; got {self.generator!r}"
+            )
+        if self.generator == "torch" and self.mode != "megabatch":
+            raise ConfigError(
+                "GroupByLengthSpec: generator='torch' reproduces HF's megabatches: set mode='megabatch'"
+            )
         self._check_positive("batch_size", self.batch_size)
         self._check_positive("megabatch_mult", self.megabatch_mult, allow_none=True)
         self._check_positive("max_length", self.max_length, allow_none=True)
@@ -86,6 +103,13 @@ class GroupByLengthSpec(PlannerSpec):
     @classmethod
     def options_from(cls, knobs: Knobs) -> dict[str, Any]:
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
+
+    def check_streamable(self) -> None:
+        if self.generator == "torch":
+            raise ConfigError(
+                "generator='torch' reproduces HF's order over a whole dataset; a stream is planned a buffer at a "
+                "time: leave generator='numpy'"
+            )
 
     def leads_with_costliest(self) -> bool:
         """Always: HF's ``LengthGroupedSampler`` puts the megabatch with the longest example first so
@@ -111,16 +135,22 @@ class GroupByLengthSpec(PlannerSpec):
 
 
 def megabatch_order(
-    lengths: np.ndarray, batch_size: int, mult: int | None, rng: np.random.Generator
+    lengths: np.ndarray,
+    batch_size: int,
+    mult: int | None,
+    rng: np.random.Generator,
+    perm: np.ndarray | None = None,
 ) -> np.ndarray:
-    """HF ``get_length_grouped_indices`` on numpy randomness, vectorised. Returns (n,) positions."""
+    """HF ``get_length_grouped_indices``, vectorised, on ``perm`` (default: a permutation drawn from
+    ``rng``). Returns (n,) positions and their lengths."""
     n = lengths.shape[0]
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     if mult is None:
         mult = max(1, min(n // (batch_size * 4), 50))
     mega = mult * batch_size
-    perm = permutation(n, rng)  # (n,)
+    if perm is None:
+        perm = permutation(n, rng)  # (n,)
     top = int(lengths.max())
     values = lengths[perm]  # (n,)
     if top * (n // mega + 1) <= 8 * n + (1 << 20):
@@ -151,7 +181,8 @@ def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.r
     segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
     seg_len = segments.lengths
     if spec.mode == "megabatch":
-        order, ordered = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng)
+        perm = torch_permutation(seg_len.shape[0], rng) if spec.generator == "torch" else None
+        order, ordered = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng, perm)
         offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
     else:
         order = sort_by_length(seg_len, rng)
@@ -164,3 +195,22 @@ def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.r
     if spec.drop_last:
         segments = drop_tail(segments, order, offsets)
     return padded_parts(segments, order, offsets, ordered=ordered)
+
+
+def torch_permutation(n: int, rng: np.random.Generator) -> np.ndarray:
+    """The permutation HF's ``get_length_grouped_indices`` draws for the plan ``rng`` stands for: ``rng``
+    comes from ``SeedSequence([seed, epoch])`` (:func:`~smart_batching.planners.plan_batches`), and a
+    ``LengthGroupedSampler`` with ``torch.Generator().manual_seed(seed)`` draws ``torch.randperm(n)`` once
+    per pass, so epoch ``epoch`` is the ``epoch + 1``-th draw."""
+    import torch
+
+    entropy = rng.bit_generator.seed_seq.entropy
+    if not (isinstance(entropy, list) and len(entropy) == 2):
+        raise ConfigError(
+            "generator='torch' needs a plan from plan_batches(seed=, epoch=); streams are not supported"
+        )
+    seed, epoch = (int(x) for x in entropy)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epoch):
+        torch.randperm(n, generator=generator)
+    return torch.randperm(n, generator=generator).numpy().astype(np.int64)

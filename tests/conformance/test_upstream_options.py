@@ -24,7 +24,7 @@ from smart_batching.hf import apply_smart_batching  # noqa: E402
 from smart_batching.hf.upstream import UPSTREAM_OPTIONS, markdown_table  # noqa: E402
 from smart_batching.units import EmptyExamplesWarning  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _example_module():
