@@ -1,0 +1,197 @@
+"""Does the model learn the same thing? Accuracy (or held-out loss) per batching strategy, paired by seed.
+
+Every strategy trains the same model from the same initial weights on the same examples with the same
+learning rate, once per seed, with the real transformers ``Trainer`` (:func:`smart_batching.bench.run_bench`);
+seed ``k`` gives every strategy the same examples and initial weights, so the difference to ``random``
+is taken seed by seed (a paired t-interval, 95 %). The token-budget and packed batches hold about the
+tokens of a fixed batch (``batch size x mean length``), so every strategy takes about as many optimizer
+steps with about as many tokens each; only batch composition differs.
+
+Tasks:
+
+* ``sst2``: all-MiniLM-L6-v2 + a linear head on ``../shared/data/sst2`` (train.tsv), accuracy on the
+  dev set (872 sentences; ``--eval-examples``). Difference in accuracy points.
+* ``gsm8k``: a tiny Llama (random init, SmolLM2 tokenizer) on GSM8K, held-out loss per target token.
+  Difference as a relative fraction of random's loss.
+
+Output: a table per task; ``--json`` prints one line per (task, strategy) with ``task``, ``strategy``,
+``default`` (the strategy's default setting), ``metric``, ``metric_ci`` (half-width), ``diff_to_random``,
+``ci_low``, ``ci_high``, ``efficiency``, ``speedup``, ``seeds``. ``--plot PATH`` draws accuracy gap
+against padding efficiency. ``--quick`` runs a tiny version (for the tests).
+
+Usage::
+
+    python benchmarks/accuracy_parity.py --tasks sst2 --seeds 5 --num-examples 2000 --threads 1
+    python benchmarks/accuracy_parity.py --quick --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+TASKS = {
+    "sst2": {"data": SHARED / "sst2", "model": "minilm", "metric": "accuracy"},
+    "gsm8k": {"data": SHARED / "gsm8k" / "train.jsonl", "model": "tiny-llama", "metric": "eval_loss"},
+}
+STRATEGIES = ("random", "group_by_length", "group_by_length[sorted]", "token_budget", "packed")
+# Two-sided 95 % Student t quantiles by degrees of freedom (no scipy here).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_interval(values: np.ndarray) -> tuple[float, float]:
+    """Mean and 95 % half-width of ``values`` (half-width NaN for a single value)."""
+    n = values.shape[0]
+    mean = float(values.mean())
+    if n < 2:
+        return mean, float("nan")
+    t = _T975.get(n - 1, 1.96 + 2.4 / (n - 1))  # close to the t quantile above 10 degrees of freedom
+    return mean, t * float(values.std(ddof=1)) / math.sqrt(n)
+
+
+def metric_of(record: dict[str, Any], metric: str) -> float:
+    if metric == "accuracy":
+        return float(record["eval"]["accuracy"])
+    return float(record["eval"]["loss"])
+
+
+def summarise(task: str, records: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """One row per strategy: metric, paired difference to random with its interval, efficiency, speed."""
+    by = {(r["strategy"], r["seed"]): r for r in records if r.get("status") == "ok"}
+    strategies = list(dict.fromkeys(r["strategy"] for r in records))
+    seeds = sorted({s for _, s in by})
+    rows = []
+    for name in strategies:
+        paired = [s for s in seeds if (name, s) in by and ("random", s) in by]
+        if not paired:
+            continue
+        values = np.array([metric_of(by[(name, s)], metric) for s in paired])
+        base = np.array([metric_of(by[("random", s)], metric) for s in paired])
+        # Accuracy in points; held-out loss as a fraction of random's.
+        diffs = 100.0 * (values - base) if metric == "accuracy" else (values - base) / base
+        mean, half = t_interval(values)
+        diff, dhalf = t_interval(diffs)
+        speed = np.array(
+            [by[(name, s)]["tokens_per_second"] / by[("random", s)]["tokens_per_second"] for s in paired]
+        )
+        rows.append(
+            {
+                "task": task,
+                "strategy": name,
+                "default": "[" not in name,
+                "metric_name": metric,
+                "metric": mean,
+                "metric_ci": half,
+                "diff_to_random": diff,
+                "ci_low": diff - dhalf if name != "random" else 0.0,
+                "ci_high": diff + dhalf if name != "random" else 0.0,
+                "efficiency": float(np.mean([1.0 - by[(name, s)]["padding_ratio"] for s in paired])),
+                "speedup": float(np.exp(np.mean(np.log(speed)))),
+                "seeds": len(paired),
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        sub = [r for r in rows if r["task"] == task]
+        unit = "points" if sub[0]["metric_name"] == "accuracy" else "rel."
+        lines.append(f"{task} ({sub[0]['metric_name']}, {sub[0]['seeds']} seeds)")
+        lines.append(
+            f"  {'strategy':<24} {'metric':>16} {'diff to random (' + unit + ')':>30} {'efficiency':>10} {'speed-up':>8}"
+        )
+        for r in sub:
+            scale = 100.0 if r["metric_name"] == "accuracy" else 1.0
+            fmt = ".2f" if scale == 100.0 else ".4f"
+            metric = f"{scale * r['metric']:{fmt}} ± {scale * r['metric_ci']:{fmt}}"
+            dfmt = ".2f" if scale == 100.0 else ".4f"
+            diff = f"{r['diff_to_random']:+{dfmt}} [{r['ci_low']:+{dfmt}}, {r['ci_high']:+{dfmt}}]"
+            lines.append(
+                f"  {r['strategy']:<24} {metric:>16} {diff:>30} {r['efficiency']:>9.1%} {r['speedup']:>7.2f}x"
+            )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for task in dict.fromkeys(r["task"] for r in rows):
+        sub = [r for r in rows if r["task"] == task and r["strategy"] != "random"]
+        x = [r["efficiency"] for r in sub]
+        y = [r["diff_to_random"] for r in sub]
+        err = [
+            [r["diff_to_random"] - r["ci_low"] for r in sub],
+            [r["ci_high"] - r["diff_to_random"] for r in sub],
+        ]
+        ax.errorbar(x, y, yerr=err, fmt="o", capsize=3, label=task)
+        for r in sub:
+            ax.annotate(r["strategy"], (r["efficiency"], r["diff_to_random"]), fontsize=7)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("padding efficiency (real tokens / token slots)")
+    ax.set_ylabel("difference to random (95 % CI)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="sst2", help=f"comma-separated: {', '.join(TASKS)}")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1, the same for every strategy")
+    parser.add_argument("--num-examples", type=int, default=2000, help="training examples (one epoch)")
+    parser.add_argument("--eval-examples", type=int, default=872, help="held-out examples (SST-2 dev: 872)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a tiny run for the tests")
+    parser.add_argument("--json", action="store_true", help="one JSON line per (task, strategy)")
+    parser.add_argument("--plot", default=None, help="write the accuracy-gap / efficiency plot here")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.seeds, opts.num_examples, opts.eval_examples = 2, 32, 32
+    from smart_batching.bench import run_bench
+
+    rows = []
+    for task in [t.strip() for t in opts.tasks.split(",") if t.strip()]:
+        if task not in TASKS:
+            raise SystemExit(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        spec = TASKS[task]
+        if not Path(spec["data"]).exists():
+            raise SystemExit(f"{spec['data']} not found (the shared datasets)")
+        with tempfile.TemporaryDirectory() as out:
+            records = run_bench(
+                str(spec["data"]), model=spec["model"],
+                strategies=[s.strip() for s in opts.strategies.split(",") if s.strip()],
+                seeds=range(opts.seeds), num_examples=opts.num_examples, batch_size=opts.batch_size,
+                eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
+                progress=not opts.json, threads=opts.threads,
+            )  # fmt: skip
+        rows += summarise(task, records, spec["metric"])
+    if opts.json:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    else:
+        print(format_table(rows))
+    if opts.plot:
+        plot(rows, opts.plot)
+        print(f"plot: {opts.plot}", file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

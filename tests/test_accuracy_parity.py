@@ -1,0 +1,59 @@
+"""``benchmarks/accuracy_parity.py --quick``: paired differences to random, one JSON line per strategy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SST2 = ROOT.parent / "shared" / "data" / "sst2"
+
+
+def test_quick_study_prints_paired_differences(capsys, one_thread):
+    if not SST2.is_dir():
+        pytest.skip("../shared/data/sst2 not present")
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location(
+        "accuracy_parity", ROOT / "benchmarks" / "accuracy_parity.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.main(["--quick", "--json", "--strategies", "random,token_budget"])
+    except Exception as exc:  # the MiniLM package may be missing
+        if "MissingExtra" in type(exc).__name__:
+            pytest.skip(str(exc))
+        raise
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["strategy"] for r in rows] == ["random", "token_budget"]
+    keys = {
+        "task",
+        "strategy",
+        "default",
+        "metric",
+        "diff_to_random",
+        "ci_low",
+        "ci_high",
+        "efficiency",
+        "seeds",
+    }
+    assert all(keys <= set(r) for r in rows)
+    random, budget = rows
+    assert random["diff_to_random"] == 0.0 and random["seeds"] == budget["seeds"] == 2
+    assert budget["ci_low"] <= budget["diff_to_random"] <= budget["ci_high"]
+    assert budget["efficiency"] > random["efficiency"]  # a token budget pads less than random batches
+
+
+def test_t_interval():
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location(
+        "accuracy_parity", ROOT / "benchmarks" / "accuracy_parity.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    mean, half = module.t_interval(np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert mean == 3.0 and abs(half - 2.776 * np.std([1, 2, 3, 4, 5], ddof=1) / 5**0.5) < 1e-9
