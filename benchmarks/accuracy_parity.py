@@ -181,11 +181,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
                 progress=not opts.json, threads=opts.threads,
             )  # fmt: skip
-        rows += summarise(task, records, spec["metric"])
-    if opts.json:
-        for r in rows:
-            print(json.dumps(r), flush=True)
-    else:
+        task_rows = summarise(task, records, spec["metric"])
+        rows += task_rows
+        if opts.json:  # each task as soon as it is done: a later task may run for long
+            for r in task_rows:
+                print(json.dumps(r), flush=True)
+    if not opts.json:
         print(format_table(rows))
     if opts.plot:
         plot(rows, opts.plot)
