@@ -1,9 +1,11 @@
 """The analysis room: what each strategy would cost on given lengths, as tables, JSON and plots.
 
 ``tables`` plans every strategy side by side and reports padding, efficiency and the packing lower
-bound (:func:`analyze`, :func:`format_table`); ``plots`` draws them (matplotlib, imported on use).
+bound (:func:`analyze`, :func:`format_table`); ``randomness`` measures what grouping costs in batch
+randomness over two epochs (:func:`batch_randomness`); ``plots`` draws them (matplotlib, imported on use).
 """
 
+from smart_batching.analysis.randomness import batch_randomness
 from smart_batching.analysis.tables import (
     DEFAULT_STRATEGIES,
     TOKEN_ROUNDING,
@@ -18,6 +20,7 @@ __all__ = [
     "DEFAULT_STRATEGIES",
     "TOKEN_ROUNDING",
     "analyze",
+    "batch_randomness",
     "default_max_tokens",
     "format_table",
     "length_summary",
