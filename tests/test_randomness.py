@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from smart_batching.analysis import batch_randomness
+from smart_batching.analysis import analyze, batch_randomness, format_table
 from smart_batching.errors import DataError
 from smart_batching.planners import plan_batches
 
@@ -105,3 +105,25 @@ def test_refuses_plans_of_different_datasets():
     b = plan_batches([1, 2, 3], "random", batch_size=2, epoch=1)
     with pytest.raises(DataError, match="same lengths"):
         batch_randomness(a, b)
+
+
+def test_analyze_records_and_table_carry_randomness():
+    lengths = lognormal(2000, seed=1)
+    records = analyze(lengths, batch_size=8, strategies=["random", "group_by_length", "packed"])
+    by = {r["strategy"]: r for r in records}
+    for r in records:
+        assert set(r) >= KEYS
+    assert by["group_by_length"]["order_corr"] > 0.5
+    assert abs(by["random"]["order_corr"]) < 0.2
+    assert by["packed"]["pair_repeat"] > 10 * by["packed"]["pair_repeat_random"]
+    table = format_table(records)
+    header = table.splitlines()[0]
+    assert "order corr" in header and "pairs again" in header
+    random_line = next(line for line in table.splitlines() if line.startswith("random "))
+    assert f"(r {100 * by['random']['pair_repeat_random']:.2f}%)" in random_line
+
+
+def test_analyze_writes_none_for_undefined_randomness():
+    (r,) = analyze([3, 1, 2, 5], batch_size=1, strategies=["random"])
+    assert r["pair_repeat"] is None and r["order_corr"] is not None
+    assert "n/a" in format_table([r]).splitlines()[-1]

@@ -18,18 +18,25 @@ Shared settings, so the rows compare like with like:
   ``overlong`` policy. Examples over it are truncated, split or dropped, never silently: every
   record carries ``num_over_limit``, ``num_truncated``, ``num_split`` and ``num_dropped``.
 
+Next to the padding, each record measures the randomness the strategy gives up for it
+(:func:`~smart_batching.analysis.batch_randomness`): how much one batch's length predicts the next one's,
+and how often examples that share a batch (a row, when packing) share one again the next epoch. This
+plans a second epoch per strategy.
+
 Row names are registered strategy names, optionally with a variant in brackets:
 ``group_by_length[sorted]`` (``mode="sorted"``), ``packed[ffd]`` (``algorithm="ffd"``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
+from smart_batching.analysis.randomness import batch_randomness
 from smart_batching.errors import ConfigError, DataError, OverlongError
 from smart_batching.plan import as_lengths
 from smart_batching.planners import (
@@ -109,7 +116,10 @@ def analyze(
     overlong: str = "truncate",
     empty_examples: str = "skip",
 ) -> list[dict[str, Any]]:
-    """Plan one epoch with each strategy on the same lengths and measure padding and compute.
+    """Plan one epoch with each strategy on the same lengths and measure padding, compute and randomness.
+
+    Each strategy is also planned for epoch 1 (same seed), to measure how its batches change from one
+    epoch to the next; that second plan is not counted in ``plan_seconds``.
 
     Args:
         lengths: (num_examples,) token lengths.
@@ -119,7 +129,7 @@ def analyze(
         capacity: tokens per ``packed`` row; None means ``max_tokens``, at most the packed planner's
             limit (:func:`~smart_batching.planners.option_limit`).
         strategies: row names (see the module docstring); None means :data:`DEFAULT_STRATEGIES`.
-        seed: seed of every plan (epoch 0).
+        seed: seed of every plan (epoch 0, and epoch 1 for the randomness).
         overlong: policy for examples over ``min(max_tokens, capacity)`` tokens: ``"truncate"``,
             ``"split"``, ``"drop"`` or ``"error"``.
         empty_examples: examples with no tokens are left out of every plan (``"skip"``, counted in
@@ -133,7 +143,9 @@ def analyze(
         (token slots / the fewest token slots of any row; None where that is 0 and this row's is
         not), ``mean_examples_per_batch``, ``max_slots_per_batch`` (peak padded tokens of one batch), ``num_over_limit``,
         ``num_truncated``, ``truncated_tokens``, ``num_split``, ``num_dropped``, ``dropped_tokens``,
-        ``num_empty`` (examples left out with no tokens), ``lower_bound_rows`` and ``rows_over_lower_bound`` (packing, else None), ``plan_seconds``
+        ``num_empty`` (examples left out with no tokens), ``lower_bound_rows`` and ``rows_over_lower_bound`` (packing, else None),
+        ``order_corr``, ``pair_repeat`` and ``pair_repeat_random`` (batch randomness between epochs 0
+        and 1, see :func:`~smart_batching.analysis.batch_randomness`; None where undefined), ``plan_seconds``
         (after a warm-up on 256 examples, so kernel compilation is not counted) and ``settings`` (the
         shared settings and the spec's fields).
 
@@ -199,6 +211,8 @@ def analyze(
         plan = plan_batches(arr, spec, seed=seed)
         seconds = time.perf_counter() - start
         record = _record(name, plan, seconds, shared, asdict(spec))
+        randomness = batch_randomness(plan, plan_batches(arr, spec, seed=seed, epoch=1))
+        record.update({k: v if math.isfinite(v) else None for k, v in randomness.items()})  # JSON: no NaN
         record["num_examples"], record["num_empty"] = num_rows, units.skipped.num_empty
         records.append(record)
     fewest = min(r["token_slots"] for r in records)
@@ -238,6 +252,9 @@ def _record(name: str, plan: Any, seconds: float, shared: dict, spec_fields: dic
         "num_empty": 0,
         "lower_bound_rows": st.lower_bound_rows,
         "rows_over_lower_bound": st.rows_over_lower_bound,
+        "order_corr": None,  # the randomness, filled in once epoch 1 is planned
+        "pair_repeat": None,
+        "pair_repeat_random": None,
         "plan_seconds": seconds,
         "settings": {**shared, "spec": {"strategy": plan.strategy, **spec_fields}},
     }
@@ -257,13 +274,28 @@ def _overlong_cell(r: dict[str, Any]) -> str:
     return f"{r['num_over_limit']:,} ({', '.join(done)})" if done else f"{r['num_over_limit']:,}"
 
 
+def _pct(fraction: float) -> str:
+    """A percentage with two significant digits below 10 % (random baselines are often well below 1 %)."""
+    p = 100 * fraction
+    return f"{p:.0f}%" if p >= 9.5 else f"{p:.1f}%" if p >= 0.95 else f"{p:.2f}%"
+
+
+def _pairs_cell(r: dict[str, Any]) -> str:
+    again, chance = r.get("pair_repeat"), r.get("pair_repeat_random")
+    if again is None or chance is None:
+        return "n/a"
+    return f"{_pct(again)} (r {_pct(chance)})"
+
+
 def format_table(records: list[dict[str, Any]]) -> str:
     """Render :func:`analyze` records as an aligned plain-text table (one line per strategy).
 
     Columns: efficiency and padding (%), batches, rows, token slots, compute relative to the best
     row, examples over the per-example limit (and what was done to them), packed rows over the lower
-    bound, and planning time (ms). A record's ``num_dropped`` also counts examples a ``drop_last``
-    left out.
+    bound, the randomness (``order corr``: correlation of consecutive batches' mean lengths, 0 when
+    shuffled; ``pairs again``: neighbours in a batch, or a packed row, that share one again next epoch,
+    with the value of random batches of the same sizes as ``(r ...)``), and planning time (ms). A
+    record's ``num_dropped`` also counts examples a ``drop_last`` left out.
     """
     headers = [
         "strategy",
@@ -275,13 +307,16 @@ def format_table(records: list[dict[str, Any]]) -> str:
         "rel. compute",
         "over limit",
         "rows/LB",
+        "order corr",
+        "pairs again",
         "plan ms",
     ]
-    right = [False] + [True] * 6 + [False, True, True]
+    right = [False] + [True] * 6 + [False] + [True] * 4
     rows = []
     for r in records:
         rel = r.get("relative_compute")
         lb = r.get("rows_over_lower_bound")
+        corr = r.get("order_corr")
         rows.append(
             [
                 r["strategy"],
@@ -293,6 +328,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
                 "-" if rel is None else f"{rel:.2f}x",
                 _overlong_cell(r),
                 "-" if lb is None else f"{lb:.4f}",
+                "n/a" if corr is None else f"{corr:+.2f}",
+                _pairs_cell(r),
                 f"{1000 * r['plan_seconds']:.1f}",
             ]
         )

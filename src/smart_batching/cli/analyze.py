@@ -130,8 +130,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="compare padding and compute of every batching strategy on a dataset",
         description=(
             "Compute token lengths of DATA and plan one epoch with every strategy on them: efficiency "
-            "(real tokens / token slots), padding, batches, compute relative to the best, and what "
-            "happened to examples over the limit."
+            "(real tokens / token slots), padding, batches, compute relative to the best, what "
+            "happened to examples over the limit, and how random the batches are (a second epoch is "
+            "planned: order correlation of consecutive batches, neighbours that meet again)."
         ),
     )
     p.add_argument(
@@ -209,7 +210,9 @@ def load_lengths(
 def strategy_list(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    return [s.strip() for s in text.split(",") if s.strip()]
+    from smart_batching.planners import split_strategies
+
+    return split_strategies(text)
 
 
 def run_analysis(loaded: LoadedLengths, args: argparse.Namespace) -> list[dict[str, Any]]:
