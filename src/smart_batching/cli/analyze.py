@@ -210,9 +210,7 @@ def load_lengths(
 def strategy_list(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    from smart_batching.planners import split_strategies
-
-    return split_strategies(text)
+    return [s.strip() for s in text.split(",") if s.strip()]
 
 
 def run_analysis(loaded: LoadedLengths, args: argparse.Namespace) -> list[dict[str, Any]]:
