@@ -157,6 +157,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--num-examples", type=int, default=2000, help="training examples (one epoch)")
     parser.add_argument("--eval-examples", type=int, default=872, help="held-out examples (SST-2 dev: 872)")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--lr-schedule", default="linear", help="the Trainer's lr_scheduler_type, the same for every run"
+    )
+    parser.add_argument(
+        "--no-match-steps", action="store_true",
+        help="keep token_budget/packed budgets at batch size x mean length instead of matching the step count",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="a tiny run for the tests")
     parser.add_argument("--json", action="store_true", help="one JSON line per (task, strategy)")
@@ -165,6 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if opts.quick:
         opts.seeds, opts.num_examples, opts.eval_examples = 2, 32, 32
     from smart_batching.bench import run_bench
+    from smart_batching.planners import split_strategies
 
     rows = []
     for task in [t.strip() for t in opts.tasks.split(",") if t.strip()]:
@@ -176,9 +184,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as out:
             records = run_bench(
                 str(spec["data"]), model=spec["model"],
-                strategies=[s.strip() for s in opts.strategies.split(",") if s.strip()],
+                strategies=split_strategies(opts.strategies),
                 seeds=range(opts.seeds), num_examples=opts.num_examples, batch_size=opts.batch_size,
                 eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
+                lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,
                 progress=not opts.json, threads=opts.threads,
             )  # fmt: skip
         task_rows = summarise(task, records, spec["metric"])

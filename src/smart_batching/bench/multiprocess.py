@@ -103,7 +103,11 @@ def check_world(bench: BenchContext, strategies: Sequence[str], seeds: Sequence[
     s, data = bench.settings, bench.data
     for name in strategies:
         base, options = strategy_options(
-            name, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+            name,
+            batch_size=s["batch_size"],
+            max_tokens=s["max_tokens"],
+            capacity=s["capacity"],
+            budgets=s.get("budgets"),
         )
         if _skip_reason(bench, base) is not None:
             continue

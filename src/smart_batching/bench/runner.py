@@ -55,7 +55,7 @@ from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_rec
 from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
 from smart_batching.data.tasks import prepare_training_data
 from smart_batching.errors import ConfigError
-from smart_batching.planners import STRATEGIES
+from smart_batching.planners import STRATEGIES, spec_class
 
 DEFAULT_STRATEGIES = STRATEGIES
 DEFAULT_LR = {"causal": 1e-3, "smollm2": 5e-5, "classifier": 1e-4}
@@ -80,6 +80,37 @@ def _resolve_sizes(
     return (max_tokens or default), (capacity or default)
 
 
+def matched_budgets(
+    lengths: np.ndarray, strategies: Sequence[str], batch_size: int, max_tokens: int, capacity: int, seed: int
+) -> dict[str, dict[str, int]]:
+    """Per strategy with a token budget (its spec's ``budget_option``), the smallest budget whose plan
+    (``seed``, epoch 0) has at most ``ceil(n / batch_size)`` batches, the fixed-size strategies' step
+    count. Bisection over plans: O(log(n × longest)) plans per strategy."""
+    from smart_batching.planners import option_limit, plan_batches
+
+    target = -(-lengths.shape[0] // batch_size)
+    longest = int(lengths.max())
+    budgets: dict[str, dict[str, int]] = {}
+    for name in strategies:
+        base, options = strategy_options(
+            name, batch_size=batch_size, max_tokens=max_tokens, capacity=capacity
+        )
+        option = spec_class(base).budget_option
+        if option is None:
+            continue
+        lo, hi = longest, lengths.shape[0] * longest  # one batch of everything fits the top
+        limit = option_limit(option)
+        hi = min(hi, limit) if limit is not None else hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(plan_batches(lengths, base, seed=seed, **{**options, option: mid})) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        budgets[name] = {option: lo}
+    return budgets
+
+
 def run_bench(
     data: Any = "default",
     *,
@@ -95,6 +126,8 @@ def run_bench(
     capacity: int | None = None,
     max_length: int | None = None,
     lr: float | None = None,
+    lr_schedule: str = "constant",
+    match_steps: bool = False,
     eval_data: Any = None,
     eval_examples: int = 64,
     eval_batch_size: int = 8,
@@ -128,7 +161,14 @@ def run_bench(
             rounded up to 64 (at least the longest example).
         capacity: tokens per ``packed`` row (one row per batch); None as ``max_tokens``.
         max_length: truncate examples to this many tokens, once, for every strategy; None keeps all.
-        lr: learning rate (constant); None means 1e-3 (tiny-llama), 5e-5 (smollm2), 1e-4 (minilm).
+        lr: peak learning rate; None means 1e-3 (tiny-llama), 5e-5 (smollm2), 1e-4 (minilm).
+        lr_schedule: the Trainer's ``lr_scheduler_type`` (``"constant"``, ``"linear"`` decay to 0, ...),
+            the same for every run.
+        match_steps: give ``token_budget`` and ``packed`` rows (and their variants) the smallest budget
+            (``max_tokens`` / ``capacity``, found by bisection over their plans for the first seed) whose
+            plan has no more batches than fixed batches of ``batch_size``: every strategy then takes the
+            same optimizer steps with about the same tokens each (the budgets are in the records'
+            ``strategy_options``). False: ``max_tokens`` and ``capacity`` as given or derived.
         eval_data: held-out data; None picks a dev/test split or sibling file, else holds out the
             last ``eval_examples`` records.
         eval_examples: held-out examples for eval loss (and accuracy).
@@ -190,7 +230,7 @@ def run_bench(
         return _run_bench(
             data, model=model, tokenizer=tokenizer, strategies=strategies, seeds=seeds, num_examples=num_examples,
             max_steps=max_steps, epochs=epochs, batch_size=batch_size, max_tokens=max_tokens, capacity=capacity,
-            max_length=max_length, lr=lr, eval_data=eval_data, eval_examples=eval_examples,
+            max_length=max_length, lr=lr, lr_schedule=lr_schedule, match_steps=match_steps, eval_data=eval_data, eval_examples=eval_examples,
             eval_batch_size=eval_batch_size, num_generations=num_generations, max_new_tokens=max_new_tokens,
             out_dir=out_dir, append=append, render=render, progress=progress, dev=dev, nproc=nproc,
             threads=threads, model_options=model_options, callbacks=callbacks, on_record=on_record,
@@ -214,6 +254,8 @@ def _run_bench(
     capacity: int | None,
     max_length: int | None,
     lr: float | None,
+    lr_schedule: str,
+    match_steps: bool,
     eval_data: Any,
     eval_examples: int,
     eval_batch_size: int,
@@ -273,7 +315,10 @@ def _run_bench(
         "capacity": cap,
         "max_length": max_length,
         "lr": lr,
-        "lr_schedule": "constant",
+        "lr_schedule": lr_schedule,
+        "budgets": matched_budgets(bench_data.lengths, strategies, batch_size, mt, cap, seeds[0])
+        if match_steps
+        else {},
         "optimizer": "adamw_torch",
         "max_grad_norm": 1.0,
         "eval_examples": len(bench_data.eval),

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from smart_batching.bench.machine import PeakMemory, release_memory
-from smart_batching.bench.measure import examples_digest, length_histogram
+from smart_batching.bench.measure import examples_digest, length_histogram, plan_randomness
 from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.data.tasks import TrainingData
 from smart_batching.planners import Knobs, make_spec, parse_strategy, spec_class
@@ -42,15 +42,17 @@ class BenchContext:
 
 
 def strategy_options(
-    name: str, *, batch_size: int, max_tokens: int, capacity: int
+    name: str, *, batch_size: int, max_tokens: int, capacity: int, budgets: dict[str, Any] | None = None
 ) -> tuple[str, dict[str, Any]]:
-    """The planner and its options for a strategy name (``group_by_length[sorted]`` variants too)."""
+    """The planner and its options for a strategy name (``group_by_length[sorted]`` and
+    ``token_budget[window=512]`` variants too); ``budgets`` maps a name to the budget the bench matched
+    for it (``match_steps``), which wins over the shared ``max_tokens`` / ``capacity``."""
 
     base, variant = parse_strategy(name)
     options = spec_class(base).options_from(
         Knobs(batch_size=batch_size, max_tokens=max_tokens, capacity=capacity)
     )
-    return base, {**options, **variant}
+    return base, {**options, **variant, **(budgets or {}).get(name, {})}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
         num_train_epochs=s["epochs"],
         per_device_train_batch_size=s["batch_size"],
         learning_rate=s["lr"],
-        lr_scheduler_type="constant",
+        lr_scheduler_type=s.get("lr_schedule", "constant"),
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
@@ -198,7 +200,11 @@ def run_one(
     """
     s, bm, data = bench.settings, bench.model, bench.data
     base, options = strategy_options(
-        strategy, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+        strategy,
+        batch_size=s["batch_size"],
+        max_tokens=s["max_tokens"],
+        capacity=s["capacity"],
+        budgets=s.get("budgets"),
     )
     record: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -231,6 +237,7 @@ def run_one(
     else:
         model, measured = launcher.train(strategy, seed, run_index=run_index, label=label)
     record = _finish_record(bench, record, common, measured, model)
+    record["randomness"] = plan_randomness(data.lengths, base, options, seed)  # from the plans, not the run
     del model
     release_memory()
     return record
@@ -268,7 +275,11 @@ def train_run(
 
     s, bm, data = bench.settings, bench.model, bench.data
     base, options = strategy_options(
-        strategy, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+        strategy,
+        batch_size=s["batch_size"],
+        max_tokens=s["max_tokens"],
+        capacity=s["capacity"],
+        budgets=s.get("budgets"),
     )
     tok = bm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -465,7 +476,11 @@ def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
     s, data, bm = bench.settings, bench.data, bench.model
     for name in strategies:
         base, options = strategy_options(
-            name, batch_size=s["batch_size"], max_tokens=s["max_tokens"], capacity=s["capacity"]
+            name,
+            batch_size=s["batch_size"],
+            max_tokens=s["max_tokens"],
+            capacity=s["capacity"],
+            budgets=s.get("budgets"),
         )
         plan_batches(data.lengths, base, seed=0, **options)
     rows = [data.train[i] for i in range(min(s["batch_size"], data.num_train))]

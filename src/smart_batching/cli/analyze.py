@@ -210,7 +210,9 @@ def load_lengths(
 def strategy_list(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    return [s.strip() for s in text.split(",") if s.strip()]
+    from smart_batching.planners import split_strategies
+
+    return split_strategies(text)
 
 
 def run_analysis(loaded: LoadedLengths, args: argparse.Namespace) -> list[dict[str, Any]]:

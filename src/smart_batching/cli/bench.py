@@ -163,8 +163,9 @@ def run(args: argparse.Namespace) -> int:
 
     from smart_batching.bench.report import summary_table
     from smart_batching.bench.runner import RECORDS_NAME, run_bench
+    from smart_batching.planners import split_strategies
 
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    strategies = split_strategies(args.strategies)
     emit = None
     if args.json:
 

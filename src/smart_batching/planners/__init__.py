@@ -93,11 +93,38 @@ def spec_class(strategy: str | PlannerSpec) -> type[PlannerSpec]:
     return REGISTRY[strategy][0]
 
 
+def _option_value(text: str) -> Any:
+    """``"512"`` -> 512, ``"None"`` -> None, ``"true"``/``"false"`` -> bool, anything else as it is."""
+    lowered = text.strip().lower()
+    if lowered in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[lowered]
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip()
+
+
+def split_strategies(text: str) -> list[str]:
+    """A comma-separated list of row names, commas inside ``[...]`` kept:
+    ``"random,token_budget[window=512,max_tokens=4096]"`` -> ``["random", "token_budget[window=512,max_tokens=4096]"]``."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    names.append(text[start:])
+    return [name.strip() for name in names if name.strip()]
+
+
 def parse_strategy(name: str) -> tuple[str, dict[str, Any]]:
-    """Split a row name such as ``group_by_length[sorted]`` into ``("group_by_length", {"mode": "sorted"})``.
+    """Split a row name into the strategy and its options: ``group_by_length[sorted]`` into
+    ``("group_by_length", {"mode": "sorted"})`` (the strategy's ``variant_option``), and
+    ``token_budget[window=512,max_tokens=4096]`` into ``("token_budget", {"window": 512, "max_tokens": 4096})``.
 
     Raises:
-        ConfigError: unknown strategy, or a variant on a strategy that has none.
+        ConfigError: unknown strategy, or a bare variant on a strategy that has none. Unknown option
+            names are refused when the spec is made (:func:`make_spec`).
     """
     base, variant = name, None
     if name.endswith("]") and "[" in name:
@@ -106,9 +133,16 @@ def parse_strategy(name: str) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"strategies=: unknown strategy {name!r}; choose from {', '.join(REGISTRY)}")
     if variant is None:
         return base, {}
+    if "=" in variant:
+        pairs = [part.split("=", 1) for part in variant.split(",")]
+        if any(len(pair) != 2 or not pair[0].strip() for pair in pairs):
+            raise ConfigError(f"strategies=: write options as {base}[name=value,name=value] (got {name!r})")
+        return base, {key.strip(): _option_value(value) for key, value in pairs}
     field = REGISTRY[base][0].variant_option
     if field is None:
-        raise ConfigError(f"strategies=: {base!r} takes no [variant] (got {name!r})")
+        raise ConfigError(
+            f"strategies=: {base!r} takes no [variant]; write options as {base}[name=value] (got {name!r})"
+        )
     return base, {field: variant}
 
 

@@ -11,7 +11,11 @@ import numpy as np
 
 from smart_batching.errors import ConfigError, OverlongError
 from smart_batching.plan import OverlongCounts
-from smart_batching.planners._kernels import counting_sort_shuffled, shuffled_permutation
+from smart_batching.planners._kernels import (
+    counting_sort_shuffled,
+    shuffled_permutation,
+    sort_blocks_descending,
+)
 from smart_batching.planners._spec import OVERLONG_POLICIES, BatchShapes, PlannerSpec  # noqa: F401 (re-exported)
 
 
@@ -127,6 +131,73 @@ def sort_by_length(
         return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
     perm = permutation(n, rng)  # (n,) random tie-break
     return perm[np.argsort(keys[perm], kind="stable")]
+
+
+def sort_blocks(values: np.ndarray, block: int, *, descending: bool) -> np.ndarray:
+    """Within each consecutive block of ``block`` items, positions sorted by value (stable).
+
+    Returns:
+        (n,) int64 positions into ``values``. A counting sort per block, O(n + num_blocks × largest),
+        where that is cheap; else numpy's stable sort per block.
+    """
+    n = values.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    top = int(values.max())
+    down = values if descending else top - values  # the kernel sorts descending
+    if top * (n // block + 1) <= 8 * n + (1 << 20):
+        return sort_blocks_descending(down, block, top)
+    keys = (top - down).astype(_radix_dtype(top), copy=False)  # ascending keys of the wanted order
+    out = np.empty(n, dtype=np.int64)
+    num_full = n // block
+    cut = num_full * block
+    if num_full:
+        blocks = np.argsort(keys[:cut].reshape(num_full, block), axis=1, kind="stable")  # (num_full, block)
+        blocks += (np.arange(num_full, dtype=np.int64) * block)[:, None]
+        out[:cut] = blocks.ravel()
+    if cut < n:
+        out[cut:] = cut + np.argsort(keys[cut:], kind="stable")
+    return out
+
+
+def sort_within_windows(
+    lengths: np.ndarray, rng: np.random.Generator, window: int | None, *, descending: bool = False
+) -> np.ndarray:
+    """Shuffle, cut into windows of ``window`` positions, and sort each window by length (ties at
+    random): the randomness knob of the length-aware strategies (``window=``)::
+
+        lengths  9 2 7 4 8 1     shuffled   4 8 1 | 9 2 7     window 3, ascending   1 4 8 | 2 7 9
+
+    Batches (or packs) cut from this order hold examples of one window, which is a fresh random draw
+    every epoch: the smaller the window, the more random each batch's company, the more padding.
+
+    Args:
+        window: examples per window; None (or at least the number of examples) sorts the whole array,
+            exactly as :func:`sort_by_length`.
+
+    Returns:
+        (n,) int64 positions. O(n) passes plus a counting sort per window.
+    """
+    n = lengths.shape[0]
+    if window is None or window >= n:
+        return sort_by_length(lengths, rng, descending=descending)
+    perm = permutation(n, rng)  # (n,)
+    return perm[sort_blocks(lengths[perm], window, descending=descending)]
+
+
+def check_window_streamable(spec: PlannerSpec) -> None:
+    """Streams take no ``window=``: a stream is planned a buffer at a time, which is a window already."""
+    if getattr(spec, "window", None) is not None:
+        raise ConfigError(
+            f"{type(spec).__name__}: window= draws windows over a whole dataset, but a stream is planned a "
+            "buffer at a time, which is a window already: leave window=None and set the buffer's size "
+            "(buffer_size=) instead"
+        )
+
+
+def window_bounds(n: int, window: int | None) -> int:
+    """The window size the compiled cuts take: ``window``, or one window over all ``n`` positions."""
+    return max(n, 1) if window is None or window >= n else window
 
 
 def fixed_offsets(n: int, size: int, *, drop_last: bool) -> np.ndarray:

@@ -19,11 +19,15 @@ del _i
 
 
 @njit(cache=True, nogil=True)
-def token_budget_cuts(sorted_lengths, max_tokens, multiple, max_batch_size):  # pragma: no cover - compiled
+def token_budget_cuts(
+    sorted_lengths, max_tokens, multiple, max_batch_size, window
+):  # pragma: no cover - compiled
     """Greedy batch boundaries over ascending lengths so that rows × longest ≤ max_tokens.
 
-    A batch that could grow no further is cut down to a multiple of ``multiple`` rows when it holds at
-    least that many (fairseq's rule). Returns (num_batches + 1,) offsets.
+    ``sorted_lengths`` is ascending within each consecutive window of ``window`` positions (pass its
+    length, or more, for one window); no batch crosses a window's end. A batch that could grow no
+    further before the end of its window is cut down to a multiple of ``multiple`` rows when it holds
+    at least that many (fairseq's rule). Returns (num_batches + 1,) offsets.
     """
     n = sorted_lengths.shape[0]
     offsets = np.empty(n + 1, dtype=np.int64)
@@ -31,13 +35,16 @@ def token_budget_cuts(sorted_lengths, max_tokens, multiple, max_batch_size):  # 
     nb = 0
     start = 0
     while start < n:
+        stop = min((start // window + 1) * window, n)
         end = start + 1
         while (
-            end < n and (end - start + 1) * sorted_lengths[end] <= max_tokens and end - start < max_batch_size
+            end < stop
+            and (end - start + 1) * sorted_lengths[end] <= max_tokens
+            and end - start < max_batch_size
         ):
             end += 1
         size = end - start
-        if end < n and size > multiple:
+        if end < stop and size > multiple:
             size -= size % multiple
         start += size
         nb += 1

@@ -8,7 +8,10 @@ Two modes:
   are consecutive chunks of that order. Randomness comes from numpy, not torch, so the indices differ
   from HF's for the same seed while the distribution is the same.
 - ``"sorted"``: sort the whole dataset by length (ties at random), cut into batches, shuffle batches.
-  Tightest padding; batch order is random but each batch is homogeneous.
+  Tightest padding; batch order is random but each batch is homogeneous. ``window=W`` sorts only within
+  shuffled windows of W examples, drawn afresh every epoch: the practice of HF's megabatches (windows of
+  50 batches) and of Axolotl's multipack ``group_size``, with the batches then shuffled as fairseq's
+  ``batch_by_size`` users do, so consecutive steps are not runs from long to short.
 
 In both modes the batch holding the longest example goes first, HF's rule
 (:meth:`GroupByLengthSpec.leads_with_costliest`; ties to the largest footprint, rows × longest). With
@@ -32,16 +35,17 @@ from smart_batching.errors import ConfigError
 from smart_batching.planners._common import (
     PlannerSpec,
     PlanParts,
-    _radix_dtype,
     apply_overlong,
+    check_window_streamable,
     drop_tail,
     fixed_offsets,
     padded_parts,
     permutation,
     permute_batches,
+    sort_blocks,
     sort_by_length,
+    sort_within_windows,
 )
-from smart_batching.planners._kernels import sort_blocks_descending
 from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
 from smart_batching.planners._spec import BatchShapes, Knobs
 
@@ -57,6 +61,9 @@ class GroupByLengthSpec(PlannerSpec):
         batch_size: examples per batch.
         mode: ``"megabatch"`` (HF ``LengthGroupedSampler``) or ``"sorted"`` (global sort, shuffled batches).
         megabatch_mult: megabatch size in batches; None means HF's default ``min(n // (4 * batch_size), 50)``.
+        window: the randomness knob of ``mode="sorted"``: sort only within shuffled windows of this many
+            examples, drawn afresh every epoch (None: the whole dataset, the tightest padding). Smaller
+            windows give each batch more random company at more padding (``analyze`` shows both).
         drop_last: leave out the last incomplete batch (its examples are counted as dropped).
         max_length: most tokens per example; None means no limit. Longer ones follow ``overlong``.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``max_length``.
@@ -77,6 +84,7 @@ class GroupByLengthSpec(PlannerSpec):
     batch_size: int = 8
     mode: str = "megabatch"
     megabatch_mult: int | None = None
+    window: int | None = None
     drop_last: bool = False
     max_length: int | None = None
     overlong: str = "error"
@@ -93,6 +101,12 @@ class GroupByLengthSpec(PlannerSpec):
             )
         self._check_positive("batch_size", self.batch_size)
         self._check_positive("megabatch_mult", self.megabatch_mult, allow_none=True)
+        self._check_positive("window", self.window, allow_none=True)
+        if self.window is not None and self.mode != "sorted":
+            raise ConfigError(
+                "GroupByLengthSpec: window= sorts within shuffled windows in mode='sorted'; megabatches "
+                "are HF's windows (megabatch_mult=): set mode='sorted' or leave window=None"
+            )
         self._check_positive("max_length", self.max_length, allow_none=True)
         self._check_overlong(self.overlong)
         if self.mode not in MODES:
@@ -105,6 +119,7 @@ class GroupByLengthSpec(PlannerSpec):
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
 
     def check_streamable(self) -> None:
+        check_window_streamable(self)
         if self.generator == "torch":
             raise ConfigError(
                 "generator='torch' reproduces HF's order over a whole dataset; a stream is planned a buffer at a "
@@ -151,23 +166,9 @@ def megabatch_order(
     mega = mult * batch_size
     if perm is None:
         perm = permutation(n, rng)  # (n,)
-    top = int(lengths.max())
     values = lengths[perm]  # (n,)
-    if top * (n // mega + 1) <= 8 * n + (1 << 20):
-        local = sort_blocks_descending(values, mega, top)
-        order, ordered = perm[local], values[local]
-    else:  # very long lengths relative to the megabatch: numpy's sort per block
-        keys = (top - values).astype(_radix_dtype(top), copy=False)
-        order = np.empty(n, dtype=np.int64)
-        num_full = n // mega
-        cut = num_full * mega
-        if num_full:
-            blocks = np.argsort(keys[:cut].reshape(num_full, mega), axis=1, kind="stable")  # (num_full, mega)
-            blocks += (np.arange(num_full, dtype=np.int64) * mega)[:, None]
-            order[:cut] = perm[blocks.ravel()]
-        if cut < n:
-            order[cut:] = perm[cut + np.argsort(keys[cut:], kind="stable")]
-        ordered = lengths[order]
+    local = sort_blocks(values, mega, descending=True)  # (n,)
+    order, ordered = perm[local], values[local]
     # Swap the first element of the megabatch holding the global maximum into position 0.
     starts = np.arange(0, n, mega)
     best = int(np.argmax(ordered[starts]))
@@ -185,7 +186,7 @@ def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.r
         order, ordered = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng, perm)
         offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
     else:
-        order = sort_by_length(seg_len, rng)
+        order = sort_within_windows(seg_len, rng, spec.window)
         offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
         if spec.drop_last:
             segments = drop_tail(segments, order, offsets)

@@ -27,6 +27,7 @@ from smart_batching.planners._common import (
     PlannerSpec,
     PlanParts,
     apply_overlong,
+    check_window_streamable,
     fixed_offsets,
     permutation,
     sort_by_length,
@@ -76,6 +77,10 @@ class PackedSpec(PlannerSpec):
             :func:`refine` (large-neighbourhood search) while above the lower bound.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``capacity``.
         shuffle: shuffle rows (True) or keep them in packing order (longest first).
+        window: the randomness knob: pack only within shuffled windows of this many examples, drawn
+            afresh every epoch, so which examples share a row changes from epoch to epoch (None: the
+            whole dataset, the fewest rows; best-fit-decreasing puts much the same examples together
+            every epoch). Axolotl's multipack packs within shuffled groups (``group_size``) the same way.
         costliest_first: with ``shuffle``, put the batch with the largest footprint (its real tokens,
             which the packing collator flattens into one sequence; ties to the longest example) first in
             every epoch, so a capacity that does not fit fails at step 1. Its cost in randomness: that one
@@ -94,10 +99,12 @@ class PackedSpec(PlannerSpec):
     algorithm: str = "auto"
     overlong: str = "error"
     shuffle: bool = True
+    window: int | None = None
     costliest_first: bool = True
 
     def __post_init__(self) -> None:
         self._check_positive("capacity", self.capacity)
+        self._check_positive("window", self.window, allow_none=True)
         self._check_positive("rows_per_batch", self.rows_per_batch)
         self._check_overlong(self.overlong)
         self._check_bool("costliest_first", self.costliest_first)
@@ -121,6 +128,9 @@ class PackedSpec(PlannerSpec):
 
     def unit_limits(self) -> UnitLimits:
         return UnitLimits(self.capacity, self.rows_per_batch, None, None)
+
+    def check_streamable(self) -> None:
+        check_window_streamable(self)
 
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
@@ -255,14 +265,35 @@ def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.
     return row_of, int(num_rows)
 
 
-def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator) -> PlanParts:
-    segments = apply_overlong(lengths, spec.capacity, spec.overlong, "capacity")
-    seg_len = segments.lengths
-    by_size = sort_by_length(seg_len, rng, descending=True)  # (num_segments,)
-    sizes = seg_len[by_size]  # (num_segments,) decreasing
+def _pack_window(
+    seg_len: np.ndarray, positions: np.ndarray, spec: PackedSpec, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Pack the segments at ``positions``: ``(by_size, sizes, row_of, num_rows)``, positions in decreasing
+    size, their sizes, and the row of each (rows numbered from 0)."""
+    by_size = positions[sort_by_length(seg_len[positions], rng, descending=True)]  # (m,)
+    sizes = seg_len[by_size]  # (m,) decreasing
     row_of, num_rows = pack(sizes, spec.capacity, spec.algorithm)
     if spec.algorithm == "auto" and sizes.shape[0] <= REFINE_MAX:
         row_of, num_rows = refine(sizes, row_of, num_rows, spec.capacity, rng)
+    return by_size, sizes, row_of, num_rows
+
+
+def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator) -> PlanParts:
+    segments = apply_overlong(lengths, spec.capacity, spec.overlong, "capacity")
+    seg_len = segments.lengths
+    n = seg_len.shape[0]
+    if spec.window is None or spec.window >= n:
+        by_size, sizes, row_of, num_rows = _pack_window(seg_len, np.arange(n, dtype=np.int64), spec, rng)
+    else:
+        perm = permutation(n, rng)  # (n,) windows of `window` shuffled positions, a fresh draw per epoch
+        parts = [
+            _pack_window(seg_len, perm[lo : lo + spec.window], spec, rng) for lo in range(0, n, spec.window)
+        ]
+        firsts = np.cumsum([0] + [p[3] for p in parts[:-1]])  # (num_windows,) first row of each window
+        by_size = np.concatenate([p[0] for p in parts])
+        sizes = np.concatenate([p[1] for p in parts])
+        row_of = np.concatenate([p[2] + first for p, first in zip(parts, firsts, strict=True)])
+        num_rows = int(firsts[-1]) + parts[-1][3]
     if spec.shuffle and num_rows > 1:
         row_of = permutation(num_rows, rng)[row_of]  # relabel rows at random: the counting sort shuffles them
     order, ordered_lengths, row_offsets = group_by_row(row_of, num_rows, by_size, sizes)

@@ -3,6 +3,10 @@
 Sort by length (ties at random, radix sort: O(n)), cut greedily into the largest batches whose padded
 size fits ``max_tokens`` (fairseq's ``batch_by_size`` rule, with an optional batch-size multiple), then
 shuffle the batches. The cut is a compiled O(n) loop. 10M examples: about 0.5 s here.
+
+``window=W`` (the randomness knob) sorts and cuts only within shuffled windows of W examples, drawn
+afresh every epoch, as HF's megabatches and Axolotl's multipack ``group_size`` do: no batch crosses a
+window, so each batch's company is a fresh draw every epoch, at some more padding.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from smart_batching.planners._common import (
     PlannerSpec,
     PlanParts,
     apply_overlong,
+    check_window_streamable,
     padded_parts,
     permutation,
     permute_batches,
     sort_by_length,
+    sort_within_windows,
+    window_bounds,
 )
 from smart_batching.planners._kernels import token_budget_cuts
 from smart_batching.planners._rounds import EMPTY, Cut, Room, Tuning, batch_max, padded_cut
@@ -40,6 +47,9 @@ class TokenBudgetSpec(PlannerSpec):
         max_batch_size: most examples per batch; None means no limit.
         max_length: most tokens per example; None means ``max_tokens``. Longer ones follow ``overlong``.
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over the limit.
+        window: the randomness knob: sort and cut only within shuffled windows of this many examples,
+            drawn afresh every epoch (None: the whole dataset, the tightest padding). Smaller windows
+            give each batch more random company at more padding (``analyze`` shows both).
         costliest_first: put the batch with the largest footprint (rows × longest, ties to the longest
             example) first in every epoch, so a budget that does not fit fails at step 1. Its cost in
             randomness: that one batch is swapped with batch 0 (a random one, which takes its place);
@@ -54,10 +64,12 @@ class TokenBudgetSpec(PlannerSpec):
     max_batch_size: int | None = None
     max_length: int | None = None
     overlong: str = "error"
+    window: int | None = None
     costliest_first: bool = True
 
     def __post_init__(self) -> None:
         self._check_positive("max_tokens", self.max_tokens)
+        self._check_positive("window", self.window, allow_none=True)
         self._check_positive("batch_size_multiple", self.batch_size_multiple)
         self._check_positive("max_batch_size", self.max_batch_size, allow_none=True)
         self._check_positive("max_length", self.max_length, allow_none=True)
@@ -81,13 +93,18 @@ class TokenBudgetSpec(PlannerSpec):
     def unit_limits(self) -> UnitLimits:
         return UnitLimits(None, 1, self.max_tokens, self.max_batch_size)
 
+    def check_streamable(self) -> None:
+        check_window_streamable(self)
+
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
     ) -> Cut:
         order = sort_by_length(lens, rng)  # (m,) ascending
         sorted_lens = lens[order]
         max_bs = self.max_batch_size if self.max_batch_size is not None else _INF
-        offsets = token_budget_cuts(sorted_lens, self.max_tokens, self.batch_size_multiple, max_bs)
+        offsets = token_budget_cuts(
+            sorted_lens, self.max_tokens, self.batch_size_multiple, max_bs, max(order.shape[0], 1)
+        )
         keep = EMPTY
         if room is not None and offsets.shape[0] > 1:
             # The last (longest) batch may still grow: it waits for the next round, room permitting.
@@ -104,8 +121,15 @@ def plan_token_budget(lengths: np.ndarray, spec: TokenBudgetSpec, rng: np.random
     limit = spec.max_length if spec.max_length is not None else spec.max_tokens
     setting = "max_length" if spec.max_length is not None else "max_tokens"
     segments = apply_overlong(lengths, limit, spec.overlong, setting)
-    order = sort_by_length(segments.lengths, rng)  # (num_segments,) ascending
+    n = segments.lengths.shape[0]
+    order = sort_within_windows(segments.lengths, rng, spec.window)  # (n,) ascending in each window
     max_bs = spec.max_batch_size if spec.max_batch_size is not None else np.iinfo(np.int64).max
-    offsets = token_budget_cuts(segments.lengths[order], spec.max_tokens, spec.batch_size_multiple, max_bs)
+    offsets = token_budget_cuts(
+        segments.lengths[order],
+        spec.max_tokens,
+        spec.batch_size_multiple,
+        max_bs,
+        window_bounds(n, spec.window),
+    )
     order, offsets = permute_batches(order, offsets, permutation(len(offsets) - 1, rng))
     return padded_parts(segments, order, offsets)
