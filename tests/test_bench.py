@@ -106,6 +106,10 @@ def test_records_written_and_complete(micro_bench):
         assert len(r["generations"]) == 2 and "####" in r["generations"][0]["reference"]
         assert r["data"]["lengths"]["n"] == NUM_TRAIN and sum(r["data"]["histogram"]["counts"]) == NUM_TRAIN
         assert r["dropped"]["num_examples_not_seen"] == 0
+        assert set(r["randomness"]) == {"order_corr", "pair_repeat", "pair_repeat_random"}
+    # Batches of 4 of 12 examples: a pair shares a batch by chance with probability 3 / 11.
+    assert records[0]["randomness"]["pair_repeat_random"] == pytest.approx(3 / 11)
+    assert 0.0 <= records[2]["randomness"]["pair_repeat"] <= 1.0  # packed: rows are its groups
 
 
 def test_every_strategy_sees_the_same_examples(micro_bench):
@@ -135,7 +139,16 @@ def test_report_renders_markdown_html_and_pngs(micro_bench):
     for png in pngs:
         assert png.read_bytes()[:8] == PNG
     text = md.read_text()
-    for word in ("random", "max_length", "packed", "x random", "truncated / dropped", "Machine", "torch"):
+    for word in (
+        "random",
+        "max_length",
+        "packed",
+        "x random",
+        "pairs again",
+        "truncated / dropped",
+        "Machine",
+        "torch",
+    ):
         assert word in text
     assert "](bench-" in text  # linked PNGs
     page = html.read_text()
@@ -189,6 +202,7 @@ def _record(strategy: str, seed: int, tps: float, loss: float) -> dict:
         "step_seconds": {"p50": 0.1, "p90": 0.2}, "padding_ratio": 0.5, "token_slots": 100, "peak_memory_mb": 10.0,
         "train_loss_final": 1.0, "eval": {"loss": loss, "perplexity": 2.0}, "task_metric": None, "dropped": {},
         "model": "m", "task": "lm", "data": {"source": "d"}, "settings": {}, "machine": {"cpu": "x", "cores": 2},
+        "randomness": {"order_corr": 0.0, "pair_repeat": 0.5 if strategy == "packed" else 0.002, "pair_repeat_random": 0.1},
     }  # fmt: skip
 
 
@@ -205,6 +219,7 @@ def test_ratios_and_spread_from_synthetic_records():
     assert fmt_spread([1.0, 2.0, 3.0], "{:.1f}") == "2.0 ± 1.0"
     table = summary_table(records)
     assert "2.50±0.50x" in table and "machine: x, 2 cores" in table
+    assert "pairs again" in table and "50% (r 10%)" in table and "0.20% (r 10%)" in table
 
 
 def test_gsm8k_answer_parsing():

@@ -8,11 +8,13 @@
   also data loading and collation). On CUDA it synchronises first, so the times are the GPU's.
 * :class:`LossRecorder` keeps the logged training loss of every step.
 * :class:`ProgressBar` is one tqdm bar per run, on stderr, with the current loss.
+* :func:`plan_randomness` measures how random the run's batches are, from its plans alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -184,6 +186,20 @@ def examples_digest(example_ids: np.ndarray, seg_lengths: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(pairs).tobytes(), digest_size=8).hexdigest()
 
 
+def plan_randomness(
+    lengths: np.ndarray, strategy: str, options: Mapping[str, Any], seed: int
+) -> dict[str, float | None]:
+    """Batch randomness of a run's strategy: its plans of ``lengths`` for epochs 0 and 1 with the run's
+    seed, compared by :func:`~smart_batching.analysis.batch_randomness` (``order_corr``, ``pair_repeat``,
+    ``pair_repeat_random``; None where undefined). Planned here, apart from training, so the runs are
+    untouched."""
+    from smart_batching.analysis import batch_randomness
+    from smart_batching.planners import plan_batches
+
+    plans = [plan_batches(lengths, strategy, seed=seed, epoch=e, **options) for e in (0, 1)]
+    return {k: v if math.isfinite(v) else None for k, v in batch_randomness(*plans).items()}
+
+
 __all__ = [
     "ClassificationCollator",
     "CountingCollator",
@@ -194,4 +210,5 @@ __all__ = [
     "examples_digest",
     "length_histogram",
     "percentiles",
+    "plan_randomness",
 ]

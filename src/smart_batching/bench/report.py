@@ -111,6 +111,9 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
         "wall and CPU time cover everything `trainer.train()` does.",
         "Padding is measured on the batches the model computed (`packed` rows hold no padding); token slots are "
         "rows × width summed over every batch.",
+        "`pairs again` is what the padding saved costs in randomness: of the examples next to each other in a batch "
+        "(a row, when packing) of epoch 0, the share that meet in one again in epoch 1, from the strategy's plans "
+        "with the run's seed; `(r ...)` is what random batches of the same sizes give.",
     ]
     if len(digests) == 1 and ok:
         notes.append(

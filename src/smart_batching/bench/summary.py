@@ -84,6 +84,21 @@ def _cut_cell(r: dict[str, Any]) -> str:
     return ", ".join(parts) or "none"
 
 
+def _pct(fraction: float) -> str:
+    p = 100 * fraction
+    return f"{p:.0f}%" if p >= 9.5 else f"{p:.1f}%" if p >= 0.95 else f"{p:.2f}%"
+
+
+def _pairs_cell(runs: list[dict[str, Any]]) -> str:
+    """``pair_repeat`` (mean over seeds) with its random baseline: ``41% (r 2%)``; ``-`` without."""
+    rand = [r.get("randomness") or {} for r in runs]
+    again = _mean([x.get("pair_repeat") for x in rand])
+    chance = _mean([x.get("pair_repeat_random") for x in rand])
+    if again is None or chance is None:
+        return "-"
+    return f"{_pct(again)} (r {_pct(chance)})"
+
+
 def _metric_cell(runs: list[dict[str, Any]], compact: bool = False) -> str:
     metrics = [r.get("task_metric") for r in runs if r.get("task_metric")]
     if not metrics:
@@ -108,7 +123,7 @@ def summary_rows(
 
     headers = [
         "strategy", "seeds", "steps", "examples", "wall s", "CPU s", "tokens/s", "x random", "x random CPU", "samples/s",
-        "step p50/p90 ms", "padding", "token slots", "x random slots", "peak MB", "train loss", "eval loss", "ppl", "task metric",
+        "step p50/p90 ms", "padding", "pairs again", "token slots", "x random slots", "peak MB", "train loss", "eval loss", "ppl", "task metric",
         "truncated / dropped",
     ]  # fmt: skip
     ratios = speed_ratios(records)
@@ -145,6 +160,7 @@ def summary_rows(
                 cell([r["samples_per_second"] for r in ok], "{:.2f}"),
                 "-" if p50 is None else f"{1000 * p50:,.0f} / {1000 * (p90 or 0):,.0f}",
                 cell([100 * r["padding_ratio"] for r in ok], "{:.1f}") + "%",
+                _pairs_cell(ok),
                 f"{_mean([r['token_slots'] for r in ok]):,.0f}",
                 cell(slot_ratios.get(name, []), "{:.2f}") + ("x" if slot_ratios.get(name) else ""),
                 cell([r.get("peak_memory_mb") for r in ok], "{:,.0f}"),
@@ -169,8 +185,8 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
-SCREEN_COLUMNS = ("strategy", "steps", "wall s", "CPU s", "x random", "x random CPU", "x random slots", "padding", "peak MB",
-                  "eval loss", "task metric", "truncated / dropped")  # fmt: skip
+SCREEN_COLUMNS = ("strategy", "steps", "wall s", "CPU s", "x random", "x random CPU", "x random slots", "padding",
+                  "pairs again", "peak MB", "eval loss", "task metric", "truncated / dropped")  # fmt: skip
 
 
 def summary_table(records: Sequence[dict[str, Any]]) -> str:
