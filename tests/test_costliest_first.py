@@ -346,3 +346,25 @@ def test_distributed_sampler_yields_the_costliest_first(heavy_tailed) -> None:
         again.load_state_dict(state)
         assert list(again) == rest
     assert max(int(heavy_tailed[b].max()) for b in first) == heavy_tailed.max()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_range_sums_and_maxima_in_any_order(overlap: bool) -> None:
+    """Sums and maxima of ranges in shuffled order (a distributed plan's micro-batches), empty ranges
+    and overlapping ones included, equal a plain loop over them."""
+    from smart_batching.planners._spec import range_sums_and_maxima
+
+    rng = np.random.default_rng(4)
+    values = rng.integers(1, 1000, size=500)
+    cuts = np.sort(rng.choice(np.arange(1, 500), size=60, replace=False))
+    starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [500]])
+    starts = np.concatenate([starts, [17, 300]])  # two empty ranges
+    ends = np.concatenate([ends, [17, 290]])
+    if overlap:
+        starts, ends = np.concatenate([starts, [5, 250]]), np.concatenate([ends, [400, 260]])
+    perm = rng.permutation(starts.shape[0])
+    starts, ends = starts[perm], ends[perm]
+    sums, maxima = range_sums_and_maxima(values, starts, ends)
+    for i, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        assert sums[i] == (values[a:b].sum() if b > a else 0)
+        assert maxima[i] == (values[a:b].max() if b > a else 0)
