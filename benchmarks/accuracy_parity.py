@@ -13,6 +13,11 @@ Tasks:
   dev set (872 sentences; ``--eval-examples``). Difference in accuracy points.
 * ``gsm8k``: a tiny Llama (random init, SmolLM2 tokenizer) on GSM8K, held-out loss per target token.
   Difference as a relative fraction of random's loss.
+* ``trl``: the anchor TRL users pick, on the path they take: TRL's ``SFTTrainer`` with
+  ``packing=True`` (``trl_packing``) and ``apply_smart_batching(sft_trainer, "packed")`` on that same
+  ``SFTTrainer`` (``sft_packed``), beside ``SmartBatchingTrainer`` packed and the HF ``Trainer`` with
+  random batches (``random``), through ``benchmarks/train_throughput.py``'s runs (its model and data:
+  a Llama of hidden size 256 with SmolLM2's vocabulary on GSM8K; held-out loss on GSM8K test).
 
 Output: a table per task; ``--json`` prints one line per (task, strategy) with ``task``, ``strategy``,
 ``default`` (the strategy's default setting), ``metric``, ``metric_ci`` (half-width), ``diff_to_random``,
@@ -37,11 +42,21 @@ from typing import Any
 
 import numpy as np
 
+from smart_batching.planners import split_strategies
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 TASKS = {
     "sst2": {"data": SHARED / "sst2", "model": "minilm", "metric": "accuracy"},
     "gsm8k": {"data": SHARED / "gsm8k" / "train.jsonl", "model": "tiny-llama", "metric": "eval_loss"},
+    "trl": {"data": SHARED / "gsm8k" / "train.jsonl", "model": "train_throughput", "metric": "eval_loss"},
+}
+# The trl task's rows and the train_throughput.py strategy each runs.
+TRL_RUNS = {
+    "random": "hf_random",
+    "trl_packing": "trl_packing",
+    "sft_packed": "sft_packed",
+    "packed": "packed",
 }
 STRATEGIES = ("random", "group_by_length", "group_by_length[sorted]", "token_budget", "packed")
 # Two-sided 95 % Student t quantiles by degrees of freedom (no scipy here).
@@ -62,6 +77,26 @@ def metric_of(record: dict[str, Any], metric: str) -> float:
     if metric == "accuracy":
         return float(record["eval"]["accuracy"])
     return float(record["eval"]["loss"])
+
+
+def is_default(name: str) -> bool:
+    """Whether a row runs its strategy's default setting: its options change no field of the spec but
+    the budget the bench sets (rows that are no library strategy, such as ``trl_packing``, run their
+    own defaults)."""
+    from smart_batching.errors import ConfigError
+    from smart_batching.planners import make_spec, parse_strategy, spec_class
+
+    try:
+        base, options = parse_strategy(name)
+    except ConfigError:
+        return True
+    budget = spec_class(base).budget_option
+    options = {k: v for k, v in options.items() if k != budget}
+    return make_spec(base, **options) == make_spec(base)
+
+
+def _steps(record: dict[str, Any]) -> float:
+    return float(record.get("num_steps", record.get("optimizer_steps", float("nan"))))
 
 
 def summarise(task: str, records: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
@@ -87,7 +122,7 @@ def summarise(task: str, records: list[dict[str, Any]], metric: str) -> list[dic
             {
                 "task": task,
                 "strategy": name,
-                "default": "[" not in name,
+                "default": is_default(name),
                 "metric_name": metric,
                 "metric": mean,
                 "metric_ci": half,
@@ -97,9 +132,50 @@ def summarise(task: str, records: list[dict[str, Any]], metric: str) -> list[dic
                 "efficiency": float(np.mean([1.0 - by[(name, s)]["padding_ratio"] for s in paired])),
                 "speedup": float(np.exp(np.mean(np.log(speed)))),
                 "seeds": len(paired),
+                "steps": float(np.mean([_steps(by[(name, s)]) for s in paired])),
             }
         )
     return rows
+
+
+def trl_records(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``trl`` task: each of :data:`TRL_RUNS` once per seed through train_throughput.py's runs, as
+    records :func:`summarise` reads."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_throughput as tt
+
+    vocab = 49152
+    ds, info = tt.load_examples(TASKS["trl"]["data"], opts.num_examples, vocab)
+    eval_ds, _ = tt.load_examples(SHARED / "gsm8k" / "test.jsonl", opts.eval_examples, vocab)
+    budget, capacity = tt.budgets(info, opts.batch_size)
+    run_opts = argparse.Namespace(
+        batch_size=opts.batch_size, vocab=vocab, hidden=256, layers=4, warmup=1, steps=None,
+        lr_schedule=opts.lr_schedule,
+    )  # fmt: skip
+    names = [n for n in split_strategies(opts.strategies or ",".join(TRL_RUNS)) if n in TRL_RUNS]
+    if "random" not in names:
+        raise SystemExit(f"the trl task compares with random: name it in --strategies ({', '.join(TRL_RUNS)})")
+    records = []
+    with tempfile.TemporaryDirectory() as out:
+        for seed in range(opts.seeds):
+            for name in names:
+                r = tt.run_strategy(
+                    TRL_RUNS[name], ds, run_opts, budget, capacity, out, seed=seed, eval_ds=eval_ds
+                )
+                records.append(
+                    {
+                        "strategy": name,
+                        "seed": seed,
+                        "status": "ok",
+                        "eval": {"loss": r["eval_loss"]},
+                        "tokens_per_second": r["real_tokens_per_s"],
+                        "padding_ratio": r["padding_ratio"],
+                        "optimizer_steps": r["optimizer_steps"],
+                    }
+                )
+                if not opts.json:
+                    print(f"  trl {name} seed {seed}: eval loss {r['eval_loss']:.4f}", file=sys.stderr)
+    return records
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -152,7 +228,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="sst2", help=f"comma-separated: {', '.join(TASKS)}")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument(
+        "--strategies", default=None,
+        help=f"comma-separated rows (default: {','.join(STRATEGIES)}; for trl: {','.join(TRL_RUNS)})",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1, the same for every strategy")
     parser.add_argument("--num-examples", type=int, default=2000, help="training examples (one epoch)")
     parser.add_argument("--eval-examples", type=int, default=872, help="held-out examples (SST-2 dev: 872)")
@@ -172,7 +251,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if opts.quick:
         opts.seeds, opts.num_examples, opts.eval_examples = 2, 32, 32
     from smart_batching.bench import run_bench
-    from smart_batching.planners import split_strategies
 
     rows = []
     for task in [t.strip() for t in opts.tasks.split(",") if t.strip()]:
@@ -181,10 +259,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         spec = TASKS[task]
         if not Path(spec["data"]).exists():
             raise SystemExit(f"{spec['data']} not found (the shared datasets)")
+        if task == "trl":
+            rows_ = summarise(task, trl_records(opts), spec["metric"])
+            rows += rows_
+            if opts.json:
+                for r in rows_:
+                    print(json.dumps(r), flush=True)
+            continue
         with tempfile.TemporaryDirectory() as out:
             records = run_bench(
                 str(spec["data"]), model=spec["model"],
-                strategies=split_strategies(opts.strategies),
+                strategies=split_strategies(opts.strategies or ",".join(STRATEGIES)),
                 seeds=range(opts.seeds), num_examples=opts.num_examples, batch_size=opts.batch_size,
                 eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
                 lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,

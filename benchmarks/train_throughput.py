@@ -139,10 +139,10 @@ def load_examples(path: Path, num_examples: int, vocab: int) -> tuple[Any, dict[
 # -- model and measurement ------------------------------------------------------------------------------
 
 
-def tiny_llama(vocab: int, hidden: int, layers: int, attn: str = "sdpa"):
+def tiny_llama(vocab: int, hidden: int, layers: int, attn: str = "sdpa", seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -203,9 +203,39 @@ def step_timer():
     return StepTimer()
 
 
+def budgets(data_info: dict[str, Any], batch_size: int) -> tuple[int, int]:
+    """The token budget and the pack capacity, in multiples of 64."""
+    # Tokens per batch for the variable strategies: what a fixed batch holds on average, plus slack,
+    # and at least the longest example.
+    budget = max(int(batch_size * data_info["mean_length"] * 1.25), data_info["max_length"])
+    # Packs hold no padding: a fixed batch's real tokens on average, so the optimizer steps match.
+    capacity = max(int(batch_size * data_info["mean_length"]), data_info["max_length"])
+    return -(-budget // 64) * 64, -(-capacity // 64) * 64
+
+
+def heldout_loss(model: Any, eval_ds: Any) -> float:
+    """Mean cross-entropy per target token on held-out examples (fixed padded batches, the same for
+    every strategy)."""
+    from smart_batching.bench.evaluate import eval_causal_lm
+
+    model.eval()
+    return float(
+        eval_causal_lm(model, eval_ds.select_columns(["input_ids", "labels"]), pad_token_id=0)["loss"]
+    )
+
+
 def run_strategy(
-    name: str, ds: Any, opts: argparse.Namespace, budget: int, capacity: int, out_dir: str
+    name: str,
+    ds: Any,
+    opts: argparse.Namespace,
+    budget: int,
+    capacity: int,
+    out_dir: str,
+    seed: int = 0,
+    eval_ds: Any = None,
 ) -> dict[str, Any]:
+    """Train one strategy on ``ds`` from the initial weights of ``seed`` (its data order too); with
+    ``eval_ds``, the record also holds the trained model's held-out loss (``eval_loss``)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -220,16 +250,16 @@ def run_strategy(
         "num_train_epochs": 1,
         "max_steps": opts.steps if opts.steps else -1,
         "learning_rate": 1e-3,
-        "lr_scheduler_type": "constant",
+        "lr_scheduler_type": getattr(opts, "lr_schedule", "constant"),
         "logging_steps": 1,
         "save_strategy": "no",
         "disable_tqdm": True,
         "remove_unused_columns": False,
-        "seed": 0,
-        "data_seed": 0,
+        "seed": seed,
+        "data_seed": seed,
     }
     pad = 0
-    model = tiny_llama(opts.vocab, opts.hidden, opts.layers)
+    model = tiny_llama(opts.vocab, opts.hidden, opts.layers, seed=seed)
     timer = step_timer()
     settings: dict[str, Any] = {"batch_size": opts.batch_size}
     if name in ("trl_packing", "sft_packed"):
@@ -246,7 +276,7 @@ def run_strategy(
         if packing:
             settings = {"max_length": capacity, "packing_strategy": args.packing_strategy}
         else:
-            apply_smart_batching(trainer, "packed", capacity=capacity, seed=0)
+            apply_smart_batching(trainer, "packed", capacity=capacity, seed=seed)
             settings = {"capacity": capacity}
         collator = CountingCollator(trainer.data_collator)
         trainer.data_collator = collator
@@ -275,7 +305,7 @@ def run_strategy(
             callbacks=[timer],
             strategy=base,
             strategy_options=options,
-            seed=0,
+            seed=seed,
             target_logits_only=base == name,
         )
     trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON records
@@ -294,6 +324,8 @@ def run_strategy(
     tail = max(1, len(losses) // 10)
     return {
         "strategy": name,
+        "seed": seed,
+        "eval_loss": heldout_loss(trainer.model, eval_ds) if eval_ds is not None else None,
         "settings": settings,
         "optimizer_steps": steps,
         "timed_steps": len(timed),
@@ -374,13 +406,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(f"unknown strategies {unknown}; choose from {', '.join(ALL_STRATEGIES)}")
 
     ds, data_info = load_examples(opts.data, opts.examples, opts.vocab)
-    # Tokens per batch for the variable strategies: what a fixed batch holds on average, plus slack,
-    # and at least the longest example.
-    budget = max(int(opts.batch_size * data_info["mean_length"] * 1.25), data_info["max_length"])
-    budget = -(-budget // 64) * 64
-    # Packs hold no padding: a fixed batch's real tokens on average, so the optimizer steps match.
-    capacity = max(int(opts.batch_size * data_info["mean_length"]), data_info["max_length"])
-    capacity = -(-capacity // 64) * 64
+    budget, capacity = budgets(data_info, opts.batch_size)
     env = environment()
     log(f"data: {data_info}; token budget {budget}, capacity {capacity}; {env}")
     records = []

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from smart_batching.bench.training import BenchContext, _skip_reason, strategy_options, train_run, warmup
+from smart_batching.bench.training import BenchContext, _skip_reason, bench_options, train_run, warmup
 from smart_batching.distributed import shutdown
 from smart_batching.errors import ConfigError, SmartBatchingError
 
@@ -102,13 +102,7 @@ def check_world(bench: BenchContext, strategies: Sequence[str], seeds: Sequence[
 
     s, data = bench.settings, bench.data
     for name in strategies:
-        base, options = strategy_options(
-            name,
-            batch_size=s["batch_size"],
-            max_tokens=s["max_tokens"],
-            capacity=s["capacity"],
-            budgets=s.get("budgets"),
-        )
+        base, options = bench_options(name, s)
         if _skip_reason(bench, base) is not None:
             continue
         for seed in seeds:

@@ -55,6 +55,18 @@ def strategy_options(
     return base, {**options, **variant, **(budgets or {}).get(name, {})}
 
 
+def bench_options(name: str, settings: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """:func:`strategy_options` under a bench's ``settings`` (its sizes and matched budgets)."""
+    s = settings
+    return strategy_options(
+        name,
+        batch_size=s["batch_size"],
+        max_tokens=s["max_tokens"],
+        capacity=s["capacity"],
+        budgets=s.get("budgets"),
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # Evaluation shared by every run
 # --------------------------------------------------------------------------------------------------
@@ -199,13 +211,7 @@ def run_one(
             processes and hands back the trained weights, which are evaluated here.
     """
     s, bm, data = bench.settings, bench.model, bench.data
-    base, options = strategy_options(
-        strategy,
-        batch_size=s["batch_size"],
-        max_tokens=s["max_tokens"],
-        capacity=s["capacity"],
-        budgets=s.get("budgets"),
-    )
+    base, options = bench_options(strategy, s)
     record: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "bench_id": bench.bench_id,
@@ -274,13 +280,7 @@ def train_run(
     from smart_batching.hf import SmartBatchingTrainer, make_collator
 
     s, bm, data = bench.settings, bench.model, bench.data
-    base, options = strategy_options(
-        strategy,
-        batch_size=s["batch_size"],
-        max_tokens=s["max_tokens"],
-        capacity=s["capacity"],
-        budgets=s.get("budgets"),
-    )
+    base, options = bench_options(strategy, s)
     tok = bm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     # max_length plans every row at one width, but the padding collators pad to the longest example of
@@ -475,13 +475,7 @@ def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
 
     s, data, bm = bench.settings, bench.data, bench.model
     for name in strategies:
-        base, options = strategy_options(
-            name,
-            batch_size=s["batch_size"],
-            max_tokens=s["max_tokens"],
-            capacity=s["capacity"],
-            budgets=s.get("budgets"),
-        )
+        base, options = bench_options(name, s)
         plan_batches(data.lengths, base, seed=0, **options)
     rows = [data.train[i] for i in range(min(s["batch_size"], data.num_train))]
     tok = bm.tokenizer
