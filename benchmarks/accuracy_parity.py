@@ -154,7 +154,9 @@ def trl_records(opts: argparse.Namespace) -> list[dict[str, Any]]:
     )  # fmt: skip
     names = [n for n in split_strategies(opts.strategies or ",".join(TRL_RUNS)) if n in TRL_RUNS]
     if "random" not in names:
-        raise SystemExit(f"the trl task compares with random: name it in --strategies ({', '.join(TRL_RUNS)})")
+        raise SystemExit(
+            f"the trl task compares with random: name it in --strategies ({', '.join(TRL_RUNS)})"
+        )
     records = []
     with tempfile.TemporaryDirectory() as out:
         for seed in range(opts.seeds):
