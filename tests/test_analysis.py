@@ -51,8 +51,8 @@ def test_golden_two_lengths():
     assert recs["max_length"]["token_slots"] == 16 * 100
     assert recs["max_length"]["efficiency"] == pytest.approx(real / 1600)
     # A full sort puts the 10s together and the 100s together: no padding.
-    assert recs["group_by_length[sorted]"]["efficiency"] == 1.0
-    assert recs["group_by_length[sorted]"]["num_batches"] == 2
+    assert recs["group_by_length"]["efficiency"] == 1.0
+    assert recs["group_by_length"]["num_batches"] == 2
     # Packing into rows of 800 tokens: 8 x 100 fill one row, 8 x 10 another.
     assert recs["packed"]["num_rows"] == recs["packed"]["lower_bound_rows"] == 2
     assert recs["packed"]["token_slots"] == 1600

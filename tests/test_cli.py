@@ -231,7 +231,7 @@ def test_shared_data(rel, n, capsys):
         assert 0 < r["efficiency"] <= 1
     by = {r["strategy"]: r for r in records}
     assert by["packed"]["efficiency"] > by["random"]["efficiency"]
-    assert by["group_by_length[sorted]"]["efficiency"] >= by["max_length"]["efficiency"]
+    assert by["group_by_length"]["efficiency"] >= by["max_length"]["efficiency"]
 
 
 def test_planner_speed_quick_json():

@@ -227,13 +227,15 @@ def check_megabatches(lengths: np.ndarray, order: np.ndarray, mega: int) -> None
 def test_megabatch_matches_hf_semantics() -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 500, 1000)
-    plan = sb.plan_batches(lengths, "group_by_length", batch_size=4, megabatch_mult=5, seed=3)
+    plan = sb.plan_batches(
+        lengths, "group_by_length", batch_size=4, mode="megabatch", megabatch_mult=5, seed=3
+    )
     check_megabatches(lengths, plan.example_ids, 20)
 
 
 def test_hf_default_megabatch_mult() -> None:
     lengths = np.random.default_rng(1).permutation(np.arange(1, 41))
-    plan = sb.plan_batches(lengths, "group_by_length", batch_size=4)
+    plan = sb.plan_batches(lengths, "group_by_length", batch_size=4, mode="megabatch")
     # HF default: mult = min(n // (4 * batch_size), 50) = 2 → megabatches of 8.
     check_megabatches(lengths, plan.example_ids, 8)
     with pytest.raises(AssertionError):

@@ -109,11 +109,11 @@ def test_refuses_plans_of_different_datasets():
 
 def test_analyze_records_and_table_carry_randomness():
     lengths = lognormal(2000, seed=1)
-    records = analyze(lengths, batch_size=8, strategies=["random", "group_by_length", "packed"])
+    records = analyze(lengths, batch_size=8, strategies=["random", "group_by_length[megabatch]", "packed"])
     by = {r["strategy"]: r for r in records}
     for r in records:
         assert set(r) >= KEYS
-    assert by["group_by_length"]["order_corr"] > 0.5
+    assert by["group_by_length[megabatch]"]["order_corr"] > 0.5
     assert abs(by["random"]["order_corr"]) < 0.2
     assert by["packed"]["pair_repeat"] > 10 * by["packed"]["pair_repeat_random"]
     table = format_table(records)

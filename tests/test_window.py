@@ -79,7 +79,7 @@ def test_window_errors_name_the_setting() -> None:
     with pytest.raises(ConfigError, match="window="):
         sb.plan_batches([5, 6, 7], "token_budget", window=0)
     with pytest.raises(ConfigError, match="mode='sorted'"):
-        sb.plan_batches([5, 6, 7], "group_by_length", window=16)  # megabatches are HF's windows
+        sb.plan_batches([5, 6, 7], "group_by_length", mode="megabatch", window=16)  # HF's windows already
     with pytest.raises(ConfigError, match="buffer_size"):
         list(StreamingBatcher([5, 6, 7, 8], "packed", capacity=64, buffer_size=2, window=2))
 

@@ -38,7 +38,7 @@ def hf_orders(lengths, batch_size: int, seed: int, epochs: int, mega_batch_mult=
 
 def ours(lengths, batch_size: int, seed: int, epoch: int, mega_batch_mult=None) -> list[int]:
     plan = plan_batches(
-        np.asarray(lengths), "group_by_length", batch_size=batch_size, generator="torch",
+        np.asarray(lengths), "group_by_length", batch_size=batch_size, mode="megabatch", generator="torch",
         megabatch_mult=mega_batch_mult, seed=seed, epoch=epoch,
     )  # fmt: skip
     return plan.example_ids.tolist()
@@ -77,6 +77,6 @@ def test_numpy_generator_keeps_hf_semantics_not_its_indices():
     """The default draws its own permutation: same rule (longest first, megabatches sorted), other order."""
     lengths = np.random.default_rng(0).integers(1, 25, size=100)
     lengths[32] = 50
-    plan = plan_batches(lengths, "group_by_length", batch_size=4, seed=0)
+    plan = plan_batches(lengths, "group_by_length", batch_size=4, mode="megabatch", seed=0)
     assert lengths[plan.example_ids[0]] == 50
     assert plan.example_ids.tolist() != hf_orders(lengths, 4, 0, 1)[0]

@@ -278,6 +278,26 @@ def test_train_sampling_strategy_is_honoured_or_refused(tiny_llama_and_args, sam
             apply_smart_batching(trainer, strategy)
 
 
+def test_hf_group_by_length_gets_hf_megabatches_and_ours_defaults_to_sorted(tiny_llama_and_args):
+    """A trainer set to HF's group_by_length keeps HF's semantics (megabatch mode); without it the
+    strategy's own default (mode='sorted', issue 13's accuracy study); an explicit mode wins."""
+    from transformers import Trainer
+
+    data = datasets.Dataset.from_dict({"input_ids": [[1, 2]]})
+    model, args = tiny_llama_and_args()
+    args.train_sampling_strategy = "group_by_length"
+    trainer = apply_smart_batching(Trainer(model=model, args=args, train_dataset=data), "group_by_length")
+    assert trainer.smart_batching.spec.mode == "megabatch"
+    assert "mode='megabatch'" in trainer.smart_batching.upstream["train_sampling_strategy"]
+    trainer = apply_smart_batching(
+        Trainer(model=model, args=args, train_dataset=data), "group_by_length", mode="sorted"
+    )
+    assert trainer.smart_batching.spec.mode == "sorted"
+    model, args = tiny_llama_and_args()
+    trainer = apply_smart_batching(Trainer(model=model, args=args, train_dataset=data), "group_by_length")
+    assert trainer.smart_batching.spec.mode == "sorted"
+
+
 def test_length_column_name_is_read(tiny_llama_and_args):
     from transformers import Trainer
 

@@ -133,7 +133,12 @@ def resolve_upstream(
 
     sampling = getattr(args, "train_sampling_strategy", None)
     if sampling is not None and sampling == cls.hf_sampling:
-        decided["train_sampling_strategy"] = f"{sampling} (HF's semantics, kept by strategy {name!r})"
+        for field, value in cls.hf_sampling_options.items():
+            fill("train_sampling_strategy", field, value)
+        kept = ", ".join(f"{k}={out[k]!r}" for k in cls.hf_sampling_options if k in out)
+        decided["train_sampling_strategy"] = (
+            f"{sampling} (HF's semantics, kept by strategy {name!r}{' with ' + kept if kept else ''})"
+        )
     elif sampling not in TRAINER_DEFAULT_SAMPLING:
         keeper = next((n for n in strategy_names() if spec_class(n).hf_sampling == sampling), None)
         also = f", or use strategy={keeper!r} (it keeps HF's {sampling} semantics)" if keeper else ""

@@ -18,7 +18,8 @@ a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` 
 largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
 costliest batch first?      ``spec.leads_with_costliest()``; ranked by ``spec.costliest_keys(...)``
 one-line description        ``cls.description``; option docs: ``cls.option_docs()``
-HF sampling it implements   ``cls.hf_sampling`` (a ``TrainingArguments.train_sampling_strategy``)
+HF sampling it implements   ``cls.hf_sampling`` (a ``TrainingArguments.train_sampling_strategy``),
+                            with ``cls.hf_sampling_options`` where its defaults differ from HF's
 ==========================  =======================================================================
 
 Adding a strategy is one module with a spec subclass and a planner, one ``register`` line, and its
@@ -214,6 +215,9 @@ class PlannerSpec:
     hf_sampling: ClassVar[str | None] = None
     """The ``TrainingArguments.train_sampling_strategy`` whose semantics this strategy keeps (a trainer
     set to it is honoured by this strategy and refused with any other); None: none."""
+    hf_sampling_options: ClassVar[dict[str, Any]] = {}
+    """Options that give HF's semantics when a trainer asks for :attr:`hf_sampling` (where the
+    strategy's own defaults differ); options the caller sets win."""
 
     # -- validation helpers ------------------------------------------------------------------------
 
