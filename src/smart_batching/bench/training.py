@@ -44,7 +44,7 @@ class BenchContext:
 def strategy_options(
     name: str, *, batch_size: int, max_tokens: int, capacity: int, budgets: dict[str, Any] | None = None
 ) -> tuple[str, dict[str, Any]]:
-    """The planner and its options for a strategy name (``group_by_length[sorted]`` and
+    """The planner and its options for a strategy name (``group_by_length[megabatch]`` and
     ``token_budget[window=512]`` variants too); ``budgets`` maps a name to the budget the bench matched
     for it (``match_steps``), which wins over the shared ``max_tokens`` / ``capacity``."""
 

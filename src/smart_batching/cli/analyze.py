@@ -119,7 +119,7 @@ def add_analysis_options(p: argparse.ArgumentParser) -> None:
         "--strategies",
         default=None,
         metavar="LIST",
-        help="comma-separated rows, e.g. random,group_by_length[sorted],packed (default: all strategies)",
+        help="comma-separated rows, e.g. random,group_by_length[megabatch],token_budget[window=512],packed (default: all strategies)",
     )
     g.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="plan seed (default: 0)")
 

@@ -37,8 +37,9 @@ UPSTREAM_OPTIONS: tuple[UpstreamOption, ...] = (
         "`capacity` instead."),
     UpstreamOption(TA, "train_sampling_strategy",
         "`random` (the default): smart batching plans the order. `group_by_length` (the old "
-        "`group_by_length=True`): honoured with strategy group_by_length (HF's megabatches, longest "
-        "first), refused with any other strategy. `sequential`: refused."),
+        "`group_by_length=True`): honoured with strategy group_by_length in mode='megabatch' (HF's "
+        "megabatches, longest first; the strategy's own default is mode='sorted'), refused with any other "
+        "strategy. `sequential`: refused."),
     UpstreamOption(TA, "length_column_name",
         "Read as the precomputed length column when `length_column` is left at its default."),
     UpstreamOption(TA, "dataloader_drop_last",
