@@ -159,7 +159,7 @@ def trl_records(opts: argparse.Namespace) -> list[dict[str, Any]]:
         )
     records = []
     with tempfile.TemporaryDirectory() as out:
-        for seed in range(opts.seeds):
+        for seed in range(opts.first_seed, opts.first_seed + opts.seeds):
             for name in names:
                 r = tt.run_strategy(
                     TRL_RUNS[name], ds, run_opts, budget, capacity, out, seed=seed, eval_ds=eval_ds
@@ -202,27 +202,26 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Accuracy gap against padding efficiency, one panel per task (the trade-off curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for task in dict.fromkeys(r["task"] for r in rows):
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
         sub = [r for r in rows if r["task"] == task and r["strategy"] != "random"]
-        x = [r["efficiency"] for r in sub]
-        y = [r["diff_to_random"] for r in sub]
-        err = [
-            [r["diff_to_random"] - r["ci_low"] for r in sub],
-            [r["ci_high"] - r["diff_to_random"] for r in sub],
-        ]
-        ax.errorbar(x, y, yerr=err, fmt="o", capsize=3, label=task)
         for r in sub:
-            ax.annotate(r["strategy"], (r["efficiency"], r["diff_to_random"]), fontsize=7)
-    ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xlabel("padding efficiency (real tokens / token slots)")
-    ax.set_ylabel("difference to random (95 % CI)")
-    ax.legend()
+            err = [[r["diff_to_random"] - r["ci_low"]], [r["ci_high"] - r["diff_to_random"]]]
+            style = "o" if r.get("default", "[" not in r["strategy"]) else "s"
+            ax.errorbar([r["efficiency"]], [r["diff_to_random"]], yerr=err, fmt=style, capsize=3)
+            ax.annotate(r["strategy"], (r["efficiency"], r["diff_to_random"]), fontsize=7,
+                        xytext=(4, 4), textcoords="offset points")  # fmt: skip
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_title(task, fontsize=10)
+        ax.set_xlabel("padding efficiency (real tokens / token slots)")
+        ax.set_ylabel("difference to random (95 % CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -235,6 +234,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         help=f"comma-separated rows (default: {','.join(STRATEGIES)}; for trl: {','.join(TRL_RUNS)})",
     )  # fmt: skip
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1, the same for every strategy")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="start the seeds here (more seeds for an earlier run)"
+    )
     parser.add_argument("--num-examples", type=int, default=2000, help="training examples (one epoch)")
     parser.add_argument("--eval-examples", type=int, default=872, help="held-out examples (SST-2 dev: 872)")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             records = run_bench(
                 str(spec["data"]), model=spec["model"],
                 strategies=split_strategies(opts.strategies or ",".join(STRATEGIES)),
-                seeds=range(opts.seeds), num_examples=opts.num_examples, batch_size=opts.batch_size,
+                seeds=range(opts.first_seed, opts.first_seed + opts.seeds), num_examples=opts.num_examples, batch_size=opts.batch_size,
                 eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
                 lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,
                 progress=not opts.json, threads=opts.threads,
