@@ -57,3 +57,25 @@ def test_t_interval():
     spec.loader.exec_module(module)
     mean, half = module.t_interval(np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
     assert mean == 3.0 and abs(half - 2.776 * np.std([1, 2, 3, 4, 5], ddof=1) / 5**0.5) < 1e-9
+
+
+@pytest.mark.slow
+def test_quick_trl_task_compares_trl_packing_with_apply_smart_batching(capsys, one_thread):
+    """The trl task: TRL's packing=True and apply_smart_batching on that SFTTrainer, paired by seed."""
+    if not (SST2.parent / "gsm8k").is_dir():
+        pytest.skip("../shared/data/gsm8k not present")
+    pytest.importorskip("trl")
+    spec = importlib.util.spec_from_file_location(
+        "accuracy_parity", ROOT / "benchmarks" / "accuracy_parity.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--quick", "--json", "--tasks", "trl", "--seeds", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["strategy"] for r in rows] == ["random", "trl_packing", "sft_packed", "packed"]
+    by = {r["strategy"]: r for r in rows}
+    assert all(r["task"] == "trl" and r["seeds"] == 2 for r in rows)
+    assert by["sft_packed"]["efficiency"] == by["trl_packing"]["efficiency"] == 1.0  # both pad nothing
+    assert by["random"]["efficiency"] < 1.0
+    for r in rows[1:]:
+        assert r["ci_low"] <= r["diff_to_random"] <= r["ci_high"]
