@@ -12,15 +12,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
 
 
-def test_quick_study_prints_paired_differences(capsys, one_thread):
-    if not SST2.is_dir():
-        pytest.skip("../shared/data/sst2 not present")
-    pytest.importorskip("transformers")
+def _load():
     spec = importlib.util.spec_from_file_location(
         "accuracy_parity", ROOT / "benchmarks" / "accuracy_parity.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_study_prints_paired_differences(capsys, one_thread):
+    if not SST2.is_dir():
+        pytest.skip("../shared/data/sst2 not present")
+    pytest.importorskip("transformers")
+    module = _load()
     try:
         module.main(["--quick", "--json", "--strategies", "random,token_budget"])
     except Exception as exc:  # the MiniLM package may be missing
@@ -50,11 +55,7 @@ def test_quick_study_prints_paired_differences(capsys, one_thread):
 def test_t_interval():
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location(
-        "accuracy_parity", ROOT / "benchmarks" / "accuracy_parity.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load()
     mean, half = module.t_interval(np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
     assert mean == 3.0 and abs(half - 2.776 * np.std([1, 2, 3, 4, 5], ddof=1) / 5**0.5) < 1e-9
 
@@ -65,11 +66,7 @@ def test_quick_trl_task_compares_trl_packing_with_apply_smart_batching(capsys, o
     if not (SST2.parent / "gsm8k").is_dir():
         pytest.skip("../shared/data/gsm8k not present")
     pytest.importorskip("trl")
-    spec = importlib.util.spec_from_file_location(
-        "accuracy_parity", ROOT / "benchmarks" / "accuracy_parity.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load()
     module.main(["--quick", "--json", "--tasks", "trl", "--seeds", "2"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["strategy"] for r in rows] == ["random", "trl_packing", "sft_packed", "packed"]
