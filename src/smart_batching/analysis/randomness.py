@@ -18,6 +18,8 @@ these next to efficiency.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from smart_batching.errors import DataError
@@ -122,4 +124,24 @@ def batch_randomness(plan: BatchPlan, next_plan: BatchPlan) -> dict[str, float]:
     }
 
 
-__all__ = ["batch_randomness"]
+def randomness_record(plan: BatchPlan, next_plan: BatchPlan) -> dict[str, float | None]:
+    """:func:`batch_randomness` with None where a value is undefined (JSON has no NaN): the fields
+    ``analyze`` and bench records carry."""
+    return {k: v if math.isfinite(v) else None for k, v in batch_randomness(plan, next_plan).items()}
+
+
+def _pct(fraction: float) -> str:
+    """A percentage with two significant digits below 10 % (random baselines are often well below 1 %)."""
+    p = 100 * fraction
+    return f"{p:.0f}%" if p >= 9.5 else f"{p:.1f}%" if p >= 0.95 else f"{p:.2f}%"
+
+
+def pairs_cell(pair_repeat: float | None, pair_repeat_random: float | None, missing: str = "n/a") -> str:
+    """The ``pairs again`` table cell: ``41% (r 2.2%)``, the share that meets again and the random
+    baseline; ``missing`` where either is undefined."""
+    if pair_repeat is None or pair_repeat_random is None:
+        return missing
+    return f"{_pct(pair_repeat)} (r {_pct(pair_repeat_random)})"
+
+
+__all__ = ["batch_randomness", "pairs_cell", "randomness_record"]

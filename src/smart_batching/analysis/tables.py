@@ -29,14 +29,13 @@ Row names are registered strategy names, optionally with a variant in brackets:
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from smart_batching.analysis.randomness import batch_randomness
+from smart_batching.analysis.randomness import pairs_cell, randomness_record
 from smart_batching.errors import ConfigError, DataError, OverlongError
 from smart_batching.plan import as_lengths
 from smart_batching.planners import (
@@ -211,8 +210,7 @@ def analyze(
         plan = plan_batches(arr, spec, seed=seed)
         seconds = time.perf_counter() - start
         record = _record(name, plan, seconds, shared, asdict(spec))
-        randomness = batch_randomness(plan, plan_batches(arr, spec, seed=seed, epoch=1))
-        record.update({k: v if math.isfinite(v) else None for k, v in randomness.items()})  # JSON: no NaN
+        record.update(randomness_record(plan, plan_batches(arr, spec, seed=seed, epoch=1)))
         record["num_examples"], record["num_empty"] = num_rows, units.skipped.num_empty
         records.append(record)
     fewest = min(r["token_slots"] for r in records)
@@ -274,19 +272,6 @@ def _overlong_cell(r: dict[str, Any]) -> str:
     return f"{r['num_over_limit']:,} ({', '.join(done)})" if done else f"{r['num_over_limit']:,}"
 
 
-def _pct(fraction: float) -> str:
-    """A percentage with two significant digits below 10 % (random baselines are often well below 1 %)."""
-    p = 100 * fraction
-    return f"{p:.0f}%" if p >= 9.5 else f"{p:.1f}%" if p >= 0.95 else f"{p:.2f}%"
-
-
-def _pairs_cell(r: dict[str, Any]) -> str:
-    again, chance = r.get("pair_repeat"), r.get("pair_repeat_random")
-    if again is None or chance is None:
-        return "n/a"
-    return f"{_pct(again)} (r {_pct(chance)})"
-
-
 def format_table(records: list[dict[str, Any]]) -> str:
     """Render :func:`analyze` records as an aligned plain-text table (one line per strategy).
 
@@ -329,7 +314,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
                 _overlong_cell(r),
                 "-" if lb is None else f"{lb:.4f}",
                 "n/a" if corr is None else f"{corr:+.2f}",
-                _pairs_cell(r),
+                pairs_cell(r.get("pair_repeat"), r.get("pair_repeat_random")),
                 f"{1000 * r['plan_seconds']:.1f}",
             ]
         )

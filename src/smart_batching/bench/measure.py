@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -193,11 +192,12 @@ def plan_randomness(
     seed, compared by :func:`~smart_batching.analysis.batch_randomness` (``order_corr``, ``pair_repeat``,
     ``pair_repeat_random``; None where undefined). Planned here, apart from training, so the runs are
     untouched."""
-    from smart_batching.analysis import batch_randomness
+    from smart_batching.analysis.randomness import randomness_record
     from smart_batching.planners import plan_batches
 
-    plans = [plan_batches(lengths, strategy, seed=seed, epoch=e, **options) for e in (0, 1)]
-    return {k: v if math.isfinite(v) else None for k, v in batch_randomness(*plans).items()}
+    return randomness_record(
+        *(plan_batches(lengths, strategy, seed=seed, epoch=e, **options) for e in (0, 1))
+    )
 
 
 __all__ = [

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from smart_batching.analysis.randomness import pairs_cell
 from smart_batching.bench.plots import spread
 from smart_batching.planners import BASELINE_STRATEGY
 
@@ -84,19 +85,12 @@ def _cut_cell(r: dict[str, Any]) -> str:
     return ", ".join(parts) or "none"
 
 
-def _pct(fraction: float) -> str:
-    p = 100 * fraction
-    return f"{p:.0f}%" if p >= 9.5 else f"{p:.1f}%" if p >= 0.95 else f"{p:.2f}%"
-
-
 def _pairs_cell(runs: list[dict[str, Any]]) -> str:
     """``pair_repeat`` (mean over seeds) with its random baseline: ``41% (r 2%)``; ``-`` without."""
     rand = [r.get("randomness") or {} for r in runs]
-    again = _mean([x.get("pair_repeat") for x in rand])
-    chance = _mean([x.get("pair_repeat_random") for x in rand])
-    if again is None or chance is None:
-        return "-"
-    return f"{_pct(again)} (r {_pct(chance)})"
+    return pairs_cell(
+        _mean([x.get("pair_repeat") for x in rand]), _mean([x.get("pair_repeat_random") for x in rand]), "-"
+    )
 
 
 def _metric_cell(runs: list[dict[str, Any]], compact: bool = False) -> str:
