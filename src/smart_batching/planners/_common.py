@@ -185,16 +185,6 @@ def sort_within_windows(
     return perm[sort_blocks(lengths[perm], window, descending=descending)]
 
 
-def check_window_streamable(spec: PlannerSpec) -> None:
-    """Streams take no ``window=``: a stream is planned a buffer at a time, which is a window already."""
-    if getattr(spec, "window", None) is not None:
-        raise ConfigError(
-            f"{type(spec).__name__}: window= draws windows over a whole dataset, but a stream is planned a "
-            "buffer at a time, which is a window already: leave window=None and set the buffer's size "
-            "(buffer_size=) instead"
-        )
-
-
 def window_bounds(n: int, window: int | None) -> int:
     """The window size the compiled cuts take: ``window``, or one window over all ``n`` positions."""
     return max(n, 1) if window is None or window >= n else window

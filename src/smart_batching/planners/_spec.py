@@ -321,7 +321,16 @@ class PlannerSpec:
         return self.footprint(shapes), shapes.longest
 
     def check_streamable(self) -> None:
-        """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can)."""
+        """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can).
+
+        The default refuses a ``window=`` (the randomness knob of the length-aware strategies): a stream
+        is planned a buffer at a time, which is a window already. Overrides call ``super()`` first."""
+        if getattr(self, "window", None) is not None:
+            raise ConfigError(
+                f"{type(self).__name__}: window= draws windows over a whole dataset, but a stream is planned a "
+                "buffer at a time, which is a window already: leave window=None and set the buffer's size "
+                "(buffer_size=) instead"
+            )
 
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning

@@ -43,7 +43,6 @@ from smart_batching.planners._common import (
     PlannerSpec,
     PlanParts,
     apply_overlong,
-    check_window_streamable,
     drop_tail,
     fixed_offsets,
     padded_parts,
@@ -128,7 +127,7 @@ class GroupByLengthSpec(PlannerSpec):
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
 
     def check_streamable(self) -> None:
-        check_window_streamable(self)
+        super().check_streamable()
         if self.generator == "torch":
             raise ConfigError(
                 "generator='torch' reproduces HF's order over a whole dataset; a stream is planned a buffer at a "

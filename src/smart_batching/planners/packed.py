@@ -27,7 +27,6 @@ from smart_batching.planners._common import (
     PlannerSpec,
     PlanParts,
     apply_overlong,
-    check_window_streamable,
     fixed_offsets,
     permutation,
     sort_by_length,
@@ -128,9 +127,6 @@ class PackedSpec(PlannerSpec):
 
     def unit_limits(self) -> UnitLimits:
         return UnitLimits(self.capacity, self.rows_per_batch, None, None)
-
-    def check_streamable(self) -> None:
-        check_window_streamable(self)
 
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning

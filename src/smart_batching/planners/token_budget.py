@@ -21,7 +21,6 @@ from smart_batching.planners._common import (
     PlannerSpec,
     PlanParts,
     apply_overlong,
-    check_window_streamable,
     padded_parts,
     permutation,
     permute_batches,
@@ -93,9 +92,6 @@ class TokenBudgetSpec(PlannerSpec):
     def unit_limits(self) -> UnitLimits:
         return UnitLimits(None, 1, self.max_tokens, self.max_batch_size)
 
-    def check_streamable(self) -> None:
-        check_window_streamable(self)
-
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
     ) -> Cut:
@@ -103,7 +99,11 @@ class TokenBudgetSpec(PlannerSpec):
         sorted_lens = lens[order]
         max_bs = self.max_batch_size if self.max_batch_size is not None else _INF
         offsets = token_budget_cuts(
-            sorted_lens, self.max_tokens, self.batch_size_multiple, max_bs, max(order.shape[0], 1)
+            sorted_lens,
+            self.max_tokens,
+            self.batch_size_multiple,
+            max_bs,
+            window_bounds(order.shape[0], None),
         )
         keep = EMPTY
         if room is not None and offsets.shape[0] > 1:
