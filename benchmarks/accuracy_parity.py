@@ -138,7 +138,7 @@ def summarise(task: str, records: list[dict[str, Any]], metric: str) -> list[dic
     return rows
 
 
-def trl_records(opts: argparse.Namespace) -> list[dict[str, Any]]:
+def trl_records(opts: argparse.Namespace, seeds: range) -> list[dict[str, Any]]:
     """The ``trl`` task: each of :data:`TRL_RUNS` once per seed through train_throughput.py's runs, as
     records :func:`summarise` reads."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -159,7 +159,7 @@ def trl_records(opts: argparse.Namespace) -> list[dict[str, Any]]:
         )
     records = []
     with tempfile.TemporaryDirectory() as out:
-        for seed in range(opts.first_seed, opts.first_seed + opts.seeds):
+        for seed in seeds:
             for name in names:
                 r = tt.run_strategy(
                     TRL_RUNS[name], ds, run_opts, budget, capacity, out, seed=seed, eval_ds=eval_ds
@@ -214,7 +214,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         sub = [r for r in rows if r["task"] == task and r["strategy"] != "random"]
         for r in sub:
             err = [[r["diff_to_random"] - r["ci_low"]], [r["ci_high"] - r["diff_to_random"]]]
-            style = "o" if r.get("default", "[" not in r["strategy"]) else "s"
+            style = "o" if r["default"] else "s"
             ax.errorbar([r["efficiency"]], [r["diff_to_random"]], yerr=err, fmt=style, capsize=3)
             ax.annotate(r["strategy"], (r["efficiency"], r["diff_to_random"]), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")  # fmt: skip
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         opts.seeds, opts.num_examples, opts.eval_examples = 2, 32, 32
     from smart_batching.bench import run_bench
 
+    seeds = range(opts.first_seed, opts.first_seed + opts.seeds)
     rows = []
     for task in [t.strip() for t in opts.tasks.split(",") if t.strip()]:
         if task not in TASKS:
@@ -264,21 +265,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if not Path(spec["data"]).exists():
             raise SystemExit(f"{spec['data']} not found (the shared datasets)")
         if task == "trl":
-            rows_ = summarise(task, trl_records(opts), spec["metric"])
-            rows += rows_
-            if opts.json:
-                for r in rows_:
-                    print(json.dumps(r), flush=True)
-            continue
-        with tempfile.TemporaryDirectory() as out:
-            records = run_bench(
-                str(spec["data"]), model=spec["model"],
-                strategies=split_strategies(opts.strategies or ",".join(STRATEGIES)),
-                seeds=range(opts.first_seed, opts.first_seed + opts.seeds), num_examples=opts.num_examples, batch_size=opts.batch_size,
-                eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
-                lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,
-                progress=not opts.json, threads=opts.threads,
-            )  # fmt: skip
+            records = trl_records(opts, seeds)
+        else:
+            with tempfile.TemporaryDirectory() as out:
+                records = run_bench(
+                    str(spec["data"]), model=spec["model"],
+                    strategies=split_strategies(opts.strategies or ",".join(STRATEGIES)),
+                    seeds=seeds, num_examples=opts.num_examples, batch_size=opts.batch_size,
+                    eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
+                    lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,
+                    progress=not opts.json, threads=opts.threads,
+                )  # fmt: skip
         task_rows = summarise(task, records, spec["metric"])
         rows += task_rows
         if opts.json:  # each task as soon as it is done: a later task may run for long
