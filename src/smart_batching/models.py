@@ -177,7 +177,9 @@ def _load_smollm2(cls: Any, torch_dtype: Any, cache_dir: str | os.PathLike | Non
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
     save_to_cache(model, cached)
-    return model.to(torch_dtype)
+    # Return what later calls load: the dequantised model still reads as quantized to transformers
+    # (``is_quantized``), which refuses ``.float()``/``.half()`` on it.
+    return cls.from_pretrained(str(cached), dtype=torch_dtype)
 
 
 __all__ = [
