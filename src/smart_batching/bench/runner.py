@@ -188,7 +188,8 @@ def run_bench(
             With ``nproc > 1``: threads of each process; None means the usable cores / ``nproc``.
         nproc: processes each run trains on (torchrun; gloo on CPU, NCCL with one GPU per process),
             all over one balanced plan (:mod:`.multiprocess`). 1 trains in this process.
-        model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``).
+        model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
+            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
         callbacks: extra ``TrainerCallback`` objects for every run (``nproc=1`` only: they live in this
             process).
         on_record: called with each record as soon as it is written.
