@@ -11,8 +11,13 @@ Tasks:
 
 * ``sst2``: all-MiniLM-L6-v2 + a linear head on ``../shared/data/sst2`` (train.tsv), accuracy on the
   dev set (872 sentences; ``--eval-examples``). Difference in accuracy points.
-* ``gsm8k``: a tiny Llama (random init, SmolLM2 tokenizer) on GSM8K, held-out loss per target token.
-  Difference as a relative fraction of random's loss.
+* ``gsm8k``: a small model initialised from SmolLM2-135M-Instruct (its embeddings, tied head and first
+  4 of 30 decoder layers: 42M parameters) fine-tuned on 240 GSM8K examples (batch 16, lr 3e-4),
+  held-out loss per target token on 64 GSM8K test examples. Difference as a relative fraction of
+  random's loss.
+* ``lima``: the same model on 64 LIMA examples truncated to 1,024 tokens (batch 8), held-out loss on the
+  last 48 LIMA examples.
+* ``gsm8k-tiny``: a tiny Llama (random init, hidden 128, SmolLM2 tokenizer) on GSM8K (the earlier study).
 * ``trl``: the anchor TRL users pick, on the path they take: TRL's ``SFTTrainer`` with
   ``packing=True`` (``trl_packing``) and ``apply_smart_batching(sft_trainer, "packed")`` on that same
   ``SFTTrainer`` (``sft_packed``), beside ``SmartBatchingTrainer`` packed and the HF ``Trainer`` with
@@ -46,11 +51,24 @@ from smart_batching.planners import split_strategies
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
-TASKS = {
+# Each task's data, model and the settings its runs take unless a flag names others.
+SMOLLM2_4 = {"model": "smollm2", "model_options": {"num_hidden_layers": 4}, "lr": 3e-4}
+TASKS: dict[str, dict[str, Any]] = {
     "sst2": {"data": SHARED / "sst2", "model": "minilm", "metric": "accuracy"},
-    "gsm8k": {"data": SHARED / "gsm8k" / "train.jsonl", "model": "tiny-llama", "metric": "eval_loss"},
+    "gsm8k": {
+        "data": SHARED / "gsm8k" / "train.jsonl", "metric": "eval_loss", **SMOLLM2_4,
+        "num_examples": 240, "eval_examples": 64,
+    },
+    "lima": {
+        "data": SHARED / "lima" / "lima.json", "metric": "eval_loss", **SMOLLM2_4,
+        "num_examples": 64, "eval_examples": 48, "batch_size": 8, "max_length": 1024,
+    },
+    "gsm8k-tiny": {"data": SHARED / "gsm8k" / "train.jsonl", "model": "tiny-llama", "metric": "eval_loss"},
     "trl": {"data": SHARED / "gsm8k" / "train.jsonl", "model": "train_throughput", "metric": "eval_loss"},
-}
+}  # fmt: skip
+# Settings a task may fix and a flag may override (None on the command line: the task's, else the flag's
+# default).
+TASK_SETTINGS = {"num_examples": 2000, "eval_examples": 872, "batch_size": 16, "lr": None, "max_length": None}
 # The trl task's rows and the train_throughput.py strategy each runs.
 TRL_RUNS = {
     "random": "hf_random",
@@ -58,7 +76,7 @@ TRL_RUNS = {
     "sft_packed": "sft_packed",
     "packed": "packed",
 }
-STRATEGIES = ("random", "group_by_length", "group_by_length[sorted]", "token_budget", "packed")
+STRATEGIES = ("random", "group_by_length", "token_budget", "packed")
 # Two-sided 95 % Student t quantiles by degrees of freedom (no scipy here).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -226,6 +244,54 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def task_settings(task: str, opts: argparse.Namespace) -> argparse.Namespace:
+    """``opts`` with the task's own settings where no flag named one (:data:`TASK_SETTINGS`)."""
+    spec = TASKS[task]
+    settings = vars(opts).copy()
+    for key, default in TASK_SETTINGS.items():
+        if settings[key] is None:
+            settings[key] = spec.get(key, default)
+    if opts.quick:
+        settings.update(num_examples=32, eval_examples=32)
+    return argparse.Namespace(**settings)
+
+
+def task_records(task: str, opts: argparse.Namespace, seeds: range) -> list[dict[str, Any]]:
+    """Train every strategy of ``task`` once per seed; the records (also in ``--out``/TASK when given)."""
+    from smart_batching.bench import run_bench
+
+    spec = TASKS[task]
+    if not Path(spec["data"]).exists():
+        raise SystemExit(f"{spec['data']} not found (the shared datasets)")
+    if task == "trl":
+        return trl_records(opts, seeds)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(opts.out) / task if opts.out else Path(tmp)
+        return run_bench(
+            str(spec["data"]), model=spec["model"], model_options=spec.get("model_options"),
+            strategies=split_strategies(opts.strategies or ",".join(STRATEGIES)),
+            seeds=seeds, num_examples=opts.num_examples, batch_size=opts.batch_size,
+            max_length=opts.max_length, lr=opts.lr,
+            eval_examples=opts.eval_examples, num_generations=1 if spec["metric"] == "accuracy" else 0,
+            out_dir=out, render=False, append=bool(opts.out),
+            lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,
+            progress=not opts.json, threads=opts.threads,
+        )  # fmt: skip
+
+
+def read_records(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Records of earlier runs (``records.jsonl`` files written with ``--out``), by task: the folder
+    a file lies in names its task."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for path in paths:
+        task = Path(path).resolve().parent.name
+        if task not in TASKS:
+            raise SystemExit(f"{path}: its folder should be a task name ({', '.join(TASKS)})")
+        with open(path, encoding="utf-8") as f:
+            by_task.setdefault(task, []).extend(json.loads(line) for line in f if line.strip())
+    return by_task
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="sst2", help=f"comma-separated: {', '.join(TASKS)}")
@@ -237,9 +303,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--first-seed", type=int, default=0, help="start the seeds here (more seeds for an earlier run)"
     )
-    parser.add_argument("--num-examples", type=int, default=2000, help="training examples (one epoch)")
-    parser.add_argument("--eval-examples", type=int, default=872, help="held-out examples (SST-2 dev: 872)")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--num-examples", type=int, default=None, help="training examples, one epoch (default: the task's)"
+    )
+    parser.add_argument(
+        "--eval-examples", type=int, default=None, help="held-out examples (default: the task's; SST-2 dev: 872)"
+    )  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the task's, else 16")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's)")
+    parser.add_argument(
+        "--max-length", type=int, default=None, help="truncate examples (default: the task's, else none)"
+    )
     parser.add_argument(
         "--lr-schedule", default="linear", help="the Trainer's lr_scheduler_type, the same for every run"
     )
@@ -248,35 +322,33 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         help="keep token_budget/packed budgets at batch size x mean length instead of matching the step count",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--out", default=None,
+        help="keep each task's records in OUT/TASK/records.jsonl (appended: runs of several sessions add up)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--from-records", nargs="+", default=None, metavar="FILE",
+        help="summarise these records.jsonl files (written with --out) instead of training",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a tiny run for the tests")
     parser.add_argument("--json", action="store_true", help="one JSON line per (task, strategy)")
     parser.add_argument("--plot", default=None, help="write the accuracy-gap / efficiency plot here")
     opts = parser.parse_args(argv)
     if opts.quick:
-        opts.seeds, opts.num_examples, opts.eval_examples = 2, 32, 32
-    from smart_batching.bench import run_bench
-
+        opts.seeds = 2
     seeds = range(opts.first_seed, opts.first_seed + opts.seeds)
+    if opts.from_records:
+        done = read_records(opts.from_records)
+        tasks = list(done)
+    else:
+        tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
+        for task in tasks:
+            if task not in TASKS:
+                raise SystemExit(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     rows = []
-    for task in [t.strip() for t in opts.tasks.split(",") if t.strip()]:
-        if task not in TASKS:
-            raise SystemExit(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-        spec = TASKS[task]
-        if not Path(spec["data"]).exists():
-            raise SystemExit(f"{spec['data']} not found (the shared datasets)")
-        if task == "trl":
-            records = trl_records(opts, seeds)
-        else:
-            with tempfile.TemporaryDirectory() as out:
-                records = run_bench(
-                    str(spec["data"]), model=spec["model"],
-                    strategies=split_strategies(opts.strategies or ",".join(STRATEGIES)),
-                    seeds=seeds, num_examples=opts.num_examples, batch_size=opts.batch_size,
-                    eval_examples=opts.eval_examples, num_generations=1, out_dir=out, render=False,
-                    lr_schedule=opts.lr_schedule, match_steps=not opts.no_match_steps,
-                    progress=not opts.json, threads=opts.threads,
-                )  # fmt: skip
-        task_rows = summarise(task, records, spec["metric"])
+    for task in tasks:
+        records = done[task] if opts.from_records else task_records(task, task_settings(task, opts), seeds)
+        task_rows = summarise(task, records, TASKS[task]["metric"])
         rows += task_rows
         if opts.json:  # each task as soon as it is done: a later task may run for long
             for r in task_rows:

@@ -21,13 +21,13 @@ def _load():
     return module
 
 
-def test_quick_study_prints_paired_differences(capsys, one_thread):
+def test_quick_study_prints_paired_differences(capsys, one_thread, tmp_path):
     if not SST2.is_dir():
         pytest.skip("../shared/data/sst2 not present")
     pytest.importorskip("transformers")
     module = _load()
     try:
-        module.main(["--quick", "--json", "--strategies", "random,token_budget"])
+        module.main(["--quick", "--json", "--strategies", "random,token_budget", "--out", str(tmp_path)])
     except Exception as exc:  # the MiniLM package may be missing
         if "MissingExtra" in type(exc).__name__:
             pytest.skip(str(exc))
@@ -50,6 +50,45 @@ def test_quick_study_prints_paired_differences(capsys, one_thread):
     assert random["diff_to_random"] == 0.0 and random["seeds"] == budget["seeds"] == 2
     assert budget["ci_low"] <= budget["diff_to_random"] <= budget["ci_high"]
     assert budget["efficiency"] > random["efficiency"]  # a token budget pads less than random batches
+    # The kept records give the same summary without training again.
+    again = module.main(["--json", "--from-records", str(tmp_path / "sst2" / "records.jsonl")])
+    assert again == [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in rows]
+
+
+def test_flags_override_a_tasks_own_settings():
+    module = _load()
+    opts = module.argparse.Namespace(
+        num_examples=None, eval_examples=None, batch_size=None, lr=None, max_length=None, quick=False
+    )
+    lima = module.task_settings("lima", opts)
+    spec = module.TASKS["lima"]
+    assert (lima.num_examples, lima.batch_size, lima.max_length, lima.lr) == (
+        spec["num_examples"],
+        spec["batch_size"],
+        spec["max_length"],
+        spec["lr"],
+    )
+    sst2 = module.task_settings("sst2", opts)
+    assert (sst2.num_examples, sst2.eval_examples, sst2.batch_size, sst2.lr, sst2.max_length) == (
+        2000,
+        872,
+        16,
+        None,
+        None,
+    )
+    opts.batch_size, opts.max_length = 4, 128
+    lima = module.task_settings("lima", opts)
+    assert (lima.batch_size, lima.max_length, lima.num_examples) == (4, 128, spec["num_examples"])
+
+
+def test_from_records_names_the_task_by_folder(tmp_path):
+    module = _load()
+    path = tmp_path / "nope" / "records.jsonl"
+    path.parent.mkdir()
+    path.write_text("")
+    with pytest.raises(SystemExit, match="should be a task name"):
+        module.main(["--from-records", str(path)])
 
 
 def test_t_interval():
