@@ -32,6 +32,8 @@ against padding efficiency. ``--quick`` runs a tiny version (for the tests).
 Usage::
 
     python benchmarks/accuracy_parity.py --tasks sst2 --seeds 5 --num-examples 2000 --threads 1
+    python benchmarks/accuracy_parity.py --tasks gsm8k,lima --seeds 5 --threads 1 --out out/parity
+    python benchmarks/accuracy_parity.py --from-records out/parity/*/records.jsonl --plot parity.png
     python benchmarks/accuracy_parity.py --quick --json
 """
 
