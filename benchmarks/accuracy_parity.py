@@ -232,16 +232,24 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         sub = [r for r in rows if r["task"] == task and r["strategy"] != "random"]
+        # Accuracy differences are in points already; loss differences are fractions, drawn in %.
+        accuracy = bool(sub) and sub[0]["metric_name"] == "accuracy"
+        scale = 1.0 if accuracy else 100.0
         for r in sub:
-            err = [[r["diff_to_random"] - r["ci_low"]], [r["ci_high"] - r["diff_to_random"]]]
+            diff = scale * r["diff_to_random"]
+            err = [[diff - scale * r["ci_low"]], [scale * r["ci_high"] - diff]]
             style = "o" if r["default"] else "s"
-            ax.errorbar([r["efficiency"]], [r["diff_to_random"]], yerr=err, fmt=style, capsize=3)
-            ax.annotate(r["strategy"], (r["efficiency"], r["diff_to_random"]), fontsize=7,
+            ax.errorbar([r["efficiency"]], [diff], yerr=err, fmt=style, capsize=3)
+            ax.annotate(r["strategy"], (r["efficiency"], diff), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")  # fmt: skip
         ax.axhline(0.0, color="grey", lw=0.8)
-        ax.set_title(task, fontsize=10)
+        ax.set_title(f"{task} ({sub[0]['seeds'] if sub else 0} seeds)", fontsize=10)
         ax.set_xlabel("padding efficiency (real tokens / token slots)")
-        ax.set_ylabel("difference to random (95 % CI)")
+        ax.set_ylabel(
+            "accuracy difference to random, points (95 % CI)"
+            if accuracy
+            else "held-out loss difference to random, % (95 % CI)"
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

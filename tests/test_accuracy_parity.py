@@ -51,7 +51,10 @@ def test_quick_study_prints_paired_differences(capsys, one_thread, tmp_path):
     assert budget["ci_low"] <= budget["diff_to_random"] <= budget["ci_high"]
     assert budget["efficiency"] > random["efficiency"]  # a token budget pads less than random batches
     # The kept records give the same summary without training again.
-    again = module.main(["--json", "--from-records", str(tmp_path / "sst2" / "records.jsonl")])
+    plot = tmp_path / "parity.png"
+    records = str(tmp_path / "sst2" / "records.jsonl")
+    again = module.main(["--json", "--from-records", records, "--plot", str(plot)])
+    assert plot.read_bytes().startswith(b"\x89PNG")
     assert again == [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in rows]
 
