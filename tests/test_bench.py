@@ -271,3 +271,28 @@ def test_demo_bench_end_to_end(tmp_path):
     assert "packed" in table and "x random" in table
     rerendered = render_report(records_path, tmp_path / "again")
     assert rerendered.html.is_file()
+
+
+@pytest.mark.parametrize("name", ["token_budget", "packed", "packed[window=64]", "token_budget[window=32]"])
+def test_matched_budgets_hold_every_seed_to_the_fixed_step_count(name):
+    """match_steps: the budget is the smallest at which no seed's plan takes more batches than fixed
+    batches; a windowed plan's batch count depends on its seed, so matching one seed is not enough."""
+    import numpy as np
+
+    from smart_batching.bench.runner import matched_budgets
+    from smart_batching.bench.training import strategy_options
+    from smart_batching.planners import plan_batches, spec_class
+
+    lengths = np.random.default_rng(3).lognormal(5.0, 0.6, size=240).astype(np.int64).clip(8, 900)
+    seeds = range(5)
+    budget = matched_budgets(lengths, [name], 16, 4096, 4096, seeds)[name]
+    base, options = strategy_options(name, batch_size=16, max_tokens=4096, capacity=4096)
+    option = spec_class(base).budget_option
+    assert list(budget) == [option]
+
+    def batches(value: int, seed: int) -> int:
+        return len(plan_batches(lengths, base, seed=seed, **{**options, option: value}))
+
+    target = 240 // 16
+    assert all(batches(budget[option], s) <= target for s in seeds)
+    assert any(batches(budget[option] - 1, s) > target for s in seeds)  # the smallest such budget

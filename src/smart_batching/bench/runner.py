@@ -81,11 +81,18 @@ def _resolve_sizes(
 
 
 def matched_budgets(
-    lengths: np.ndarray, strategies: Sequence[str], batch_size: int, max_tokens: int, capacity: int, seed: int
+    lengths: np.ndarray,
+    strategies: Sequence[str],
+    batch_size: int,
+    max_tokens: int,
+    capacity: int,
+    seeds: Sequence[int],
 ) -> dict[str, dict[str, int]]:
     """Per strategy with a token budget (its spec's ``budget_option``), the smallest budget whose plan
-    (``seed``, epoch 0) has at most ``ceil(n / batch_size)`` batches, the fixed-size strategies' step
-    count. Bisection over plans: O(log(n × longest)) plans per strategy."""
+    for every seed (epoch 0) has at most ``ceil(n / batch_size)`` batches, the fixed-size strategies'
+    step count. A plan's batch count can depend on its seed (``window=`` packs or cuts within shuffled
+    windows), and a run with more steps than the fixed batches learns more from the same examples.
+    Bisection over plans: O(seeds × log(n × longest)) plans per strategy."""
     from smart_batching.planners import option_limit, plan_batches
 
     target = -(-lengths.shape[0] // batch_size)
@@ -103,7 +110,8 @@ def matched_budgets(
         hi = min(hi, limit) if limit is not None else hi
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(plan_batches(lengths, base, seed=seed, **{**options, option: mid})) <= target:
+            plans = (plan_batches(lengths, base, seed=seed, **{**options, option: mid}) for seed in seeds)
+            if all(len(plan) <= target for plan in plans):
                 hi = mid
             else:
                 lo = mid + 1
@@ -165,10 +173,11 @@ def run_bench(
         lr_schedule: the Trainer's ``lr_scheduler_type`` (``"constant"``, ``"linear"`` decay to 0, ...),
             the same for every run.
         match_steps: give ``token_budget`` and ``packed`` rows (and their variants) the smallest budget
-            (``max_tokens`` / ``capacity``, found by bisection over their plans for the first seed) whose
-            plan has no more batches than fixed batches of ``batch_size``: every strategy then takes the
-            same optimizer steps with about the same tokens each (the budgets are in the records'
-            ``strategy_options``). False: ``max_tokens`` and ``capacity`` as given or derived.
+            (``max_tokens`` / ``capacity``, found by bisection over their plans for every seed) whose
+            plans have no more batches than fixed batches of ``batch_size``: every strategy then takes
+            about the same optimizer steps (never more) with about the same tokens each (the budgets
+            are in the records' ``strategy_options``). False: ``max_tokens`` and ``capacity`` as given
+            or derived.
         eval_data: held-out data; None picks a dev/test split or sibling file, else holds out the
             last ``eval_examples`` records.
         eval_examples: held-out examples for eval loss (and accuracy).
@@ -317,7 +326,7 @@ def _run_bench(
         "max_length": max_length,
         "lr": lr,
         "lr_schedule": lr_schedule,
-        "budgets": matched_budgets(bench_data.lengths, strategies, batch_size, mt, cap, seeds[0])
+        "budgets": matched_budgets(bench_data.lengths, strategies, batch_size, mt, cap, seeds)
         if match_steps
         else {},
         "optimizer": "adamw_torch",
