@@ -292,13 +292,14 @@ def task_records(task: str, opts: argparse.Namespace, seeds: range) -> list[dict
 def read_records(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Records of earlier runs (``records.jsonl`` files written with ``--out``), by task: the folder
     a file lies in names its task."""
+    from smart_batching.bench.records import read_records as read_file
+
     by_task: dict[str, list[dict[str, Any]]] = {}
     for path in paths:
         task = Path(path).resolve().parent.name
         if task not in TASKS:
             raise SystemExit(f"{path}: its folder should be a task name ({', '.join(TASKS)})")
-        with open(path, encoding="utf-8") as f:
-            by_task.setdefault(task, []).extend(json.loads(line) for line in f if line.strip())
+        by_task.setdefault(task, []).extend(read_file(path))
     return by_task
 
 
