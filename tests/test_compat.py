@@ -120,6 +120,24 @@ def test_switching_the_attention_implementation(llama):
     compat.set_attn_implementation(llama, old)
 
 
+def test_keeping_the_first_layers_gives_a_model_of_that_depth(llama):
+    import copy
+
+    cut = copy.deepcopy(llama)
+    compat.keep_first_layers(cut, 1)
+    assert len(cut.model.layers) == cut.config.num_hidden_layers == 1
+    assert len(getattr(cut.config, "layer_types", None) or [None]) == 1
+    # A model built with one layer takes the cut model's weights exactly and computes the same logits.
+    one = transformers.LlamaForCausalLM(copy.deepcopy(cut.config)).eval()
+    one.load_state_dict(cut.state_dict(), strict=True)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(cut(input_ids=ids).logits, one(input_ids=ids).logits)
+        assert not torch.allclose(cut(input_ids=ids).logits, llama(input_ids=ids).logits)
+        out = cut.generate(ids, max_new_tokens=3, do_sample=False)  # a cache of one layer
+    assert out.shape == (1, 7)
+
+
 def test_causal_lm_class_names_include_llama():
     names = compat.causal_lm_class_names()
     assert "LlamaForCausalLM" in names and "BertModel" not in names

@@ -19,6 +19,7 @@ attention registries                      :func:`register_attention`, :func:`reg
 SDPA kernel and mask builder              :func:`sdpa_attention_forward`, :func:`sdpa_mask`
 switching attention on a loaded model     :func:`set_attn_implementation`, :func:`can_set_attn_implementation`
 causal-LM classes                         :func:`causal_lm_class_names`
+a decoder's layer stack                   :func:`keep_first_layers`
 Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
                                           :data:`TRAINER_ATTRIBUTES`
 DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
@@ -144,6 +145,16 @@ def set_attn_implementation(model: Any, name: str) -> None:
         model.set_attn_implementation(name)
     else:
         model.config._attn_implementation = name
+
+
+def keep_first_layers(model: Any, k: int) -> None:
+    """Cut a decoder-only causal LM (``model.model.layers``, as Llama, Qwen2 and Mistral hold them) to its
+    first ``k`` layers in place, with the config saying so (``num_hidden_layers``, per-layer
+    ``layer_types``), so that caches and ``save_pretrained`` see a ``k``-layer model."""
+    model.model.layers = model.model.layers[:k]
+    model.config.num_hidden_layers = k
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:k]
 
 
 @functools.cache

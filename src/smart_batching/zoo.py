@@ -114,6 +114,7 @@ def _smollm2(options: dict[str, Any]) -> Any:
     """SmolLM2-135M-Instruct, optionally cut to its first ``num_hidden_layers`` decoder layers."""
     import torch
 
+    from smart_batching import compat
     from smart_batching.models import load_model
 
     unknown = sorted(set(options) - {"num_hidden_layers"})
@@ -133,10 +134,7 @@ def _smollm2(options: dict[str, Any]) -> Any:
         total = model.config.num_hidden_layers
         if k > total:
             raise ConfigError(f"model_options num_hidden_layers={k} is more than SmolLM2's {total} layers")
-        model.model.layers = model.model.layers[:k]
-        model.config.num_hidden_layers = k
-        if getattr(model.config, "layer_types", None) is not None:
-            model.config.layer_types = model.config.layer_types[:k]
+        compat.keep_first_layers(model, k)
     return model
 
 
