@@ -53,3 +53,24 @@ GIVE_UP_LEVELS = 3
 GIVE_UP_SEGMENTS = 20_000
 """Segments dissolved before :data:`GIVE_UP_LEVELS` may end the search (small plans always try every
 pool size)."""
+
+TAIL_POOL_STEPS = 8
+"""Whole steps the pool of the ragged tail may grow by before the units with the most segments join
+it instead: where the cheapest units are single examples near the capacity, growing it step by step
+would pool most of the plan (and deal it all again); eight steps cover every tail of GSM8K and LIMA
+(one step suffices there) and cost a few milliseconds at 1,024 ranks."""
+
+MIX_TOLERANCE = 1.002
+"""Each step formed with donors is refined until its heaviest rank is this close to the mean: a fifth
+of :data:`REFORM_TOLERANCE`, like :data:`FILL_TOLERANCE`, so that what a deal leaves uneven is closed
+well inside the promise; the moves are compiled, so aiming lower costs little."""
+
+MAX_MIX_DONORS = 64
+"""Most donor steps pooled with one uneven step (1, 2, 4, ... are tried): the near-capacity and
+bimodal tails even out with 1 to 16 at every world size from 8 to 1,024; more rarely helps, and
+each try deals its whole pool again."""
+
+MIX_SEGMENT_BUDGET = 4_000_000
+"""Segments dealt again, over every try of every uneven step, before the donor search stops (the
+Python re-forming then takes what is left, bounded by :data:`MAX_REFORM_SEGMENTS`): about a second of
+compiled dealing, whatever the dataset and world size."""
