@@ -31,6 +31,7 @@ from numba import njit
 from smart_batching.distributed._balance import UnitLimits, _deal, _sift_down, gather_segments, rank_costs
 from smart_batching.distributed._tuning import (
     MAX_MIX_DONORS,
+    MIX_KEEP_TOLERANCE,
     MIX_SEGMENT_BUDGET,
     MIX_TOLERANCE,
     REFORM_TOLERANCE,
@@ -372,6 +373,7 @@ def mix_uneven(
     seg_cost: np.ndarray,
     seg_len: np.ndarray,
     limits: UnitLimits,
+    keep_below: float = MIX_KEEP_TOLERANCE,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Form every step more than :data:`REFORM_TOLERANCE` uneven again with donor steps, in place.
 
@@ -382,6 +384,9 @@ def mix_uneven(
         order, start, end: unit ``u`` is the segments ``order[start[u]:end[u]]``.
         seg_cost, seg_len: per segment of the base plan.
         limits: what a micro-batch may hold.
+        keep_below: where no pool gets a step within the tolerance, the most even result that beats
+            the step as it was is kept if its worst step is under this (else the step is left as it
+            was, for :mod:`._reform`: a partial result can hamper it).
 
     Returns:
         ``(assignment, rank_cost, new_segments, new_sizes)``: the assignment and rank costs given,
@@ -406,10 +411,12 @@ def mix_uneven(
         if imbalance[s] <= REFORM_TOLERANCE or budget <= 0:
             continue  # evened out as a donor of an earlier step
         donors = np.argsort(-spare, kind="stable")  # (num_steps,) most segments to spare first
-        found: tuple[float, np.ndarray, np.ndarray] | None = None
+        by_cost = np.argsort(-rank_cost.sum(axis=1), kind="stable")  # (num_steps,) costliest first
+        at = int(np.flatnonzero(by_cost == s)[0])
+        best: tuple[float, np.ndarray, np.ndarray, np.ndarray] | None = None
         reach = 1
         while True:
-            near = np.arange(max(0, s - reach), min(num_steps, s + reach + 1))
+            near = by_cost[max(0, at - reach) : at + reach + 1]  # its neighbours in cost order
             chosen = np.union1d(near, donors[:reach])
             units = assignment[chosen].reshape(-1)
             old, new = units[(units >= 0) & (units < base)], units[units >= base] - base
@@ -424,15 +431,16 @@ def mix_uneven(
             found = mix_steps(
                 pool, pool_sizes, seg_cost, seg_len, chosen.shape[0], world_size, accum_steps, limits
             )
-            if found is not None and found[0] <= REFORM_TOLERANCE:
+            if found is not None and found[0] < (best[0] if best else float(imbalance[chosen].max())):
+                best = (found[0], chosen, found[1], found[2])
+            if best is not None and best[0] <= REFORM_TOLERANCE:
                 break
-            found = None
             if chosen.shape[0] >= min(num_steps, MAX_MIX_DONORS + 1) or budget <= 0:
                 break
             reach *= 2
-        if found is None:
-            continue  # left as it was for the Python re-forming (a partial result only hampers it)
-        _, seg_order, mb_of = found
+        if best is None or best[0] >= keep_below:
+            continue
+        _, chosen, seg_order, mb_of = best
         by_mb = np.argsort(mb_of, kind="stable")
         counts = np.bincount(mb_of, minlength=chosen.shape[0] * group)  # (k * group,) segments per unit
         ids = base + new_start.shape[0] - 1 + np.arange(counts.shape[0])

@@ -65,6 +65,12 @@ MIX_TOLERANCE = 1.002
 of :data:`REFORM_TOLERANCE`, like :data:`FILL_TOLERANCE`, so that what a deal leaves uneven is closed
 well inside the promise; the moves are compiled, so aiming lower costs little."""
 
+MIX_KEEP_TOLERANCE = 1.02
+"""Where no pool of donors gets a step within :data:`REFORM_TOLERANCE`, the most even result is kept if
+within this (the README's 1-2 %); worse ones are left for the Python re-forming, which evens out long
+examples alone in a token budget better (and is hampered by a half-mixed step), and are taken only if
+that fails too."""
+
 MAX_MIX_DONORS = 64
 """Most donor steps pooled with one uneven step (1, 2, 4, ... are tried): the near-capacity and
 bimodal tails even out with 1 to 16 at every world size from 8 to 1,024; more rarely helps, and

@@ -74,7 +74,7 @@ from smart_batching.distributed._balance import (
     repartition_step,
     tail_pool,
 )
-from smart_batching.distributed._mix import mix_uneven
+from smart_batching.distributed._mix import MIX_KEEP_TOLERANCE, mix_uneven
 from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
@@ -440,16 +440,9 @@ def _reform_uneven(
         steps   s4 [300, 100]  s5 [160, 150]   ->  dissolved together  ->  [205, 205] [200, 200]
     """
     rc = _rank_costs(assignment, units.costs)
-    imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
-    if not (imbalance > REFORM_TOLERANCE).any():
+    if not (rc.max(axis=1) > REFORM_TOLERANCE * rc.mean(axis=1)).any():
         return assignment
-    limits = reformer.limits
-    assignment, rc, segments, sizes = mix_uneven(
-        assignment, rc, units.order, units.start, units.end, seg_cost, reformer.seg_len, limits
-    )
-    if sizes.size:
-        units.add(segments, sizes, seg_cost)
-        imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
+    assignment, imbalance = _mix_uneven(assignment, rc, units, seg_cost, reformer, MIX_KEEP_TOLERANCE)
     uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
     if not uneven.size:
         return assignment
@@ -457,18 +450,49 @@ def _reform_uneven(
         assignment, units.segments, uneven, reformer, imbalance, max_extra_steps,
         unit_max_costs(seg_cost, units.order, units.start, units.end),
     )  # fmt: skip
-    if found is None:
-        return assignment
-    dissolved, new_steps = found
-    loads = [mb.segs for step in new_steps for load in step for mb in load]
-    ids = units.add(
-        np.array([s for mb in loads for s in mb], dtype=np.int64),
-        np.array([len(mb) for mb in loads]),
+    if found is not None:
+        dissolved, new_steps = found
+        loads = [mb.segs for step in new_steps for load in step for mb in load]
+        ids = units.add(
+            np.array([s for mb in loads for s in mb], dtype=np.int64),
+            np.array([len(mb) for mb in loads]),
+            seg_cost,
+        )
+        kept = np.ones(assignment.shape[0], dtype=bool)
+        kept[dissolved] = False
+        assignment = np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
+    rc = _rank_costs(assignment, units.costs)
+    if (rc.max(axis=1) > REFORM_TOLERANCE * rc.mean(axis=1)).any():  # the mixer's most even, at last
+        assignment, _ = _mix_uneven(assignment, rc, units, seg_cost, reformer, np.inf)
+    return assignment
+
+
+def _mix_uneven(
+    assignment: np.ndarray,
+    rc: np.ndarray,
+    units: _Units,
+    seg_cost: np.ndarray,
+    reformer: Reformer,
+    partial: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~._mix.mix_uneven` on ``units``; the steps in cost order again (formed steps take their
+    donors' places) and their imbalance."""
+    assignment, rc, segments, sizes = mix_uneven(
+        assignment,
+        rc,
+        units.order,
+        units.start,
+        units.end,
         seg_cost,
+        reformer.seg_len,
+        reformer.limits,
+        partial,
     )
-    kept = np.ones(assignment.shape[0], dtype=bool)
-    kept[dissolved] = False
-    return np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
+    if sizes.size:
+        units.add(segments, sizes, seg_cost)
+        by_cost = np.argsort(-rc.sum(axis=1), kind="stable")
+        assignment, rc = assignment[by_cost], rc[by_cost]
+    return assignment, rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
 
 
 def _shuffle_steps(assignment: np.ndarray, seed: int, epoch: int) -> np.ndarray:
