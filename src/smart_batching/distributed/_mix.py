@@ -31,6 +31,7 @@ from numba import njit
 from smart_batching.distributed._balance import UnitLimits, _deal, _sift_down, gather_segments, rank_costs
 from smart_batching.distributed._tuning import (
     MAX_MIX_DONORS,
+    MIX_GIVE_UP_LEVELS,
     MIX_KEEP_TOLERANCE,
     MIX_SEGMENT_BUDGET,
     MIX_TOLERANCE,
@@ -414,7 +415,7 @@ def mix_uneven(
         by_cost = np.argsort(-rank_cost.sum(axis=1), kind="stable")  # (num_steps,) costliest first
         at = int(np.flatnonzero(by_cost == s)[0])
         best: tuple[float, np.ndarray, np.ndarray, np.ndarray] | None = None
-        reach = 1
+        reach, misses = 1, 0
         while True:
             near = by_cost[max(0, at - reach) : at + reach + 1]  # its neighbours in cost order
             chosen = np.union1d(near, donors[:reach])
@@ -431,12 +432,15 @@ def mix_uneven(
             found = mix_steps(
                 pool, pool_sizes, seg_cost, seg_len, chosen.shape[0], world_size, accum_steps, limits
             )
+            misses += 1
             if found is not None and found[0] < (best[0] if best else float(imbalance[chosen].max())):
-                best = (found[0], chosen, found[1], found[2])
+                best, misses = (found[0], chosen, found[1], found[2]), 0
             if best is not None and best[0] <= REFORM_TOLERANCE:
                 break
             if chosen.shape[0] >= min(num_steps, MAX_MIX_DONORS + 1) or budget <= 0:
                 break
+            if best is not None and misses >= MIX_GIVE_UP_LEVELS:
+                break  # larger pools stopped helping
             reach *= 2
         if best is None or best[0] >= keep_below:
             continue

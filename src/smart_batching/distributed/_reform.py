@@ -32,6 +32,7 @@ from smart_batching.distributed._tuning import (
     MAX_REFORM_SEGMENTS,
     PROBE_LADDER,
     PROBE_WIDTH,
+    REFORM_BUDGET_RANKS,
     REFORM_TOLERANCE,
     TAIL_STEPS,
 )
@@ -554,6 +555,8 @@ def reform_uneven(
             [int(reformer.seg_cost[unit_segs(u)].max(initial=0)) for u in range(num_units)], dtype=np.int64
         )
     finest = np.argsort(_steps_finest(assignment, unit_max), kind="stable")
+    # Python work per segment grows with the ranks of a step: the budget shrinks as they grow.
+    budget = MAX_REFORM_SEGMENTS * REFORM_BUDGET_RANKS // max(reformer.world_size, REFORM_BUDGET_RANKS)
     best: tuple[np.ndarray, list[list[Load]]] | None = None
     best_score = float(imbalance[uneven].max())
     for extra in sorted({0, num_steps if max_extra_steps is None else max_extra_steps}):
@@ -565,7 +568,7 @@ def reform_uneven(
             units = assignment[chosen].reshape(-1)
             segs = np.concatenate([unit_segs(int(u)) for u in units if u >= 0])
             spent += segs.shape[0]
-            if spent > MAX_REFORM_SEGMENTS:
+            if spent > budget:
                 break
             steps = reformer.reform(segs, chosen.shape[0], chosen.shape[0] + extra)
             worse += 1  # larger pools hold more of the long tail: stop when they stop helping

@@ -46,6 +46,11 @@ MAX_REFORM_SEGMENTS = 100_000
 """The most segments dissolved in one series of attempts to even out uneven steps: bounds the Python
 loop (about a second) whatever the dataset size."""
 
+REFORM_BUDGET_RANKS = 8
+"""World size up to which the Python re-forming may dissolve :data:`MAX_REFORM_SEGMENTS`; beyond it the
+budget shrinks in proportion (its loops over one step's ranks grow with them: 11 s for 100K segments
+at 1,024 ranks), which leaves the steps of large worlds to the compiled mixer (:mod:`._mix`)."""
+
 GIVE_UP_LEVELS = 3
 """Pool sizes tried in a row without a more even result before giving up, once
 :data:`GIVE_UP_SEGMENTS` segments have been dissolved: larger pools rarely help after three misses."""
@@ -75,6 +80,10 @@ MAX_MIX_DONORS = 64
 """Most donor steps pooled with one uneven step (1, 2, 4, ... are tried): the near-capacity and
 bimodal tails even out with 1 to 16 at every world size from 8 to 1,024; more rarely helps, and
 each try deals its whole pool again."""
+
+MIX_GIVE_UP_LEVELS = 2
+"""Pool sizes tried in a row without a more even result before the donor search of a step stops (once
+it has a result): past the best size, larger pools mix in ever more unlike steps and rarely help."""
 
 MIX_SEGMENT_BUDGET = 4_000_000
 """Segments dealt again, over every try of every uneven step, before the donor search stops (the
