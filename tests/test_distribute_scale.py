@@ -19,6 +19,7 @@ from smart_batching.distributed._balance import (
     _deal,
     argsort_descending,
     gather_segments,
+    halve_units,
     tail_pool,
 )
 from smart_batching.distributed._mix import mix_steps, step_imbalance
@@ -172,3 +173,38 @@ def test_gather_and_argsort_helpers() -> None:
     for top in (10, 70_000, 3 * 10**9, 10**12):
         values = rng.integers(0, top, 5_000)
         np.testing.assert_array_equal(argsort_descending(values), np.argsort(-values, kind="stable"))
+
+
+def _reference_halves(
+    units: list[list[int]], seg_cost: np.ndarray, group: int, remainder: int
+) -> list[list[int]]:
+    """Halving spelt out on lists: the costliest unit of two or more segments (the first of equals)
+    is cut where its cost is nearest half, until the count is right; empty units pad."""
+    units = [u for u in units if u]
+    order = list(range(len(units)))  # creation order of each unit
+    while (len(units) - remainder) % group:
+        splittable = [k for k in range(len(units)) if len(units[k]) > 1]
+        if not splittable:
+            units += [[]] * ((remainder - len(units)) % group)
+            break
+        k = max(splittable, key=lambda k: (int(seg_cost[units[k]].sum()), -order[k]))
+        unit, made = units.pop(k), order.pop(k)
+        cum = np.cumsum(seg_cost[unit])
+        cut = int(np.argmin(np.abs(cum[:-1] - cum[-1] / 2))) + 1
+        units += [unit[:cut], unit[cut:]]
+        order += [max(order + [made]) + 1, max(order + [made]) + 2]
+    return units
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_halve_units_as_spelt_out(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    seg_cost = rng.integers(1, 50, 200)
+    sizes = rng.integers(0, 5, 30)
+    segments = rng.permutation(200)[: sizes.sum()]
+    units = np.split(segments, np.cumsum(sizes)[:-1])
+    group, remainder = int(rng.integers(2, 12)), int(rng.integers(0, 2))
+    got, got_sizes = halve_units(segments, sizes, seg_cost, group, remainder)
+    want = _reference_halves([u.tolist() for u in units], seg_cost, group, remainder)
+    assert [p.tolist() for p in np.split(got, np.cumsum(got_sizes)[:-1])] == want
+    assert (got_sizes.shape[0] - remainder) % group == 0

@@ -128,41 +128,49 @@ def tail_pool(by_cost: np.ndarray, sizes: np.ndarray, group: int) -> np.ndarray:
 
 
 def halve_units(
-    units: list[list[int]], seg_cost: np.ndarray, group: int, remainder: int = 0
-) -> list[list[int]] | None:
+    segments: np.ndarray, sizes: np.ndarray, seg_cost: np.ndarray, group: int, remainder: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Split the costliest units with two or more segments in two until the count is ``remainder``
     more than a multiple of ``group``; empty units pad the rest when nothing is left to split (fewer
     segments than slots).
 
-    Ties go to the unit that came first (the halves of a split unit come after all others), found
-    through a heap over (cost, order): O(splits log units), where a scan of every unit per split grew
-    with the world size (group - 1 splits at most)."""
-    units = [u for u in units if u]
-    if not (len(units) - remainder) % group:
-        return units
-    lengths = np.array([len(u) for u in units], dtype=np.int64)
-    flat = np.concatenate([np.asarray(u, dtype=np.int64) for u in units])
-    unit_cost = np.add.reduceat(seg_cost[flat], np.concatenate([[0], np.cumsum(lengths)[:-1]])).tolist()
-    by_seq = dict(enumerate(units))  # creation order -> unit
-    heap = [(-int(c), i) for i, c in enumerate(unit_cost) if lengths[i] > 1]
+    Units are given and returned as ``(segments, sizes)``: unit ``k`` is the next ``sizes[k]`` of
+    ``segments``. Empty units given are dropped. The units not split keep their order, the halves
+    follow in the order they were made; ties go to the unit that came first. A heap over (cost,
+    order): O(splits log units) plus one vectorised pass, ``group - 1`` splits at most."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    firsts = np.cumsum(sizes) - sizes
+    keep = sizes > 0
+    segments, sizes, firsts = np.asarray(segments, dtype=np.int64), sizes[keep], firsts[keep]
+    count = sizes.shape[0]
+    if not (count - remainder) % group:
+        return segments, sizes
+    unit_cost = np.add.reduceat(seg_cost[segments], firsts) if count else np.zeros(0, dtype=np.int64)
+    heap = [(-int(unit_cost[i]), int(i)) for i in np.flatnonzero(sizes > 1)]
     heapq.heapify(heap)
-    seq = len(units)
-    count = len(units)
-    while (count - remainder) % group:
-        if not heap:
-            by_seq.update({seq + k: [] for k in range((remainder - count) % group)})
-            break
+    halves: dict[int, np.ndarray] = {}  # creation order -> the segments of a half
+    split = np.zeros(count, dtype=bool)
+    seq = count
+    while (count - remainder) % group and heap:
         _, i = heapq.heappop(heap)
-        unit = by_seq.pop(i)
+        if i < split.shape[0]:
+            split[i] = True
+            unit = segments[firsts[i] : firsts[i] + sizes[i]]
+        else:
+            unit = halves.pop(i)
         cum = np.cumsum(seg_cost[unit])
         cut = int(np.argmin(np.abs(cum[:-1] - cum[-1] / 2))) + 1
         for half, cost in ((unit[:cut], int(cum[cut - 1])), (unit[cut:], int(cum[-1] - cum[cut - 1]))):
-            by_seq[seq] = half
-            if len(half) > 1:
+            halves[seq] = half
+            if half.shape[0] > 1:
                 heapq.heappush(heap, (-cost, seq))
             seq += 1
         count += 1
-    return [by_seq[k] for k in sorted(by_seq)]
+    pad = (remainder - count) % group  # nothing left to split: empty units
+    kept = np.flatnonzero(~split)
+    parts = [gather_segments(segments, firsts, firsts + sizes, kept)] + [halves[k] for k in sorted(halves)]
+    new_sizes = np.concatenate([sizes[kept], [halves[k].shape[0] for k in sorted(halves)], np.zeros(pad)])
+    return np.concatenate(parts), new_sizes.astype(np.int64)
 
 
 def lpt_pieces(

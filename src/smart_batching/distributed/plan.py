@@ -347,13 +347,7 @@ def _deal_tail(
     dealt = lpt_pieces(pool, seg_cost, seg_len, num_pieces, limits)
     if dealt is None or not dealt[1].min():
         # Indivisible or over-limit: cut the costliest splittable units of the pool in two instead.
-        halves = halve_units([list(units.segments(u)) for u in tail.tolist()], seg_cost, group, extra)
-        if halves is None:
-            return by_cost
-        dealt = (
-            np.array([s for p in halves for s in p], dtype=np.int64),
-            np.array([len(p) for p in halves], dtype=np.int64),
-        )
+        dealt = halve_units(pool, units.end[tail] - units.start[tail], seg_cost, group, extra)
     in_tail = np.zeros(by_cost.shape[0], dtype=bool)
     in_tail[tail] = True
     keep = by_cost[~in_tail[by_cost]]
