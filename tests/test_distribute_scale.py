@@ -208,3 +208,29 @@ def test_halve_units_as_spelt_out(seed: int) -> None:
     want = _reference_halves([u.tolist() for u in units], seg_cost, group, remainder)
     assert [p.tolist() for p in np.split(got, np.cumsum(got_sizes)[:-1])] == want
     assert (got_sizes.shape[0] - remainder) % group == 0
+
+
+def test_mix_steps_forms_partners_for_examples_that_fill_a_budget_alone() -> None:
+    """Token budget 8,192, one micro-batch per rank: an example of 5,000 tokens fills its micro-batch
+    alone, so its step is even only if every other rank is built to 5,000 too; dealing towards equal
+    loads cannot do that, forming the step around it (the anchored deal) can."""
+    rng = np.random.default_rng(2)
+    longs = np.array([5100, 5000])
+    shorts = rng.integers(150, 260, 200)
+    shorts = shorts[: int(np.searchsorted(np.cumsum(shorts), 3 * 5100 + 3 * 5000)) + 1]  # just enough
+    lengths = np.concatenate([longs, shorts]).astype(np.int64)
+    segs = np.arange(lengths.shape[0])
+    unit_sizes = np.concatenate([[1, 1], [len(p) for p in np.array_split(shorts, 6)]])  # 8 units
+    limits = UnitLimits(None, 1, 8192, None)
+    found = mix_steps(segs, unit_sizes, lengths, lengths, 2, 4, 1, limits)
+    assert found is not None
+    imbalance, order, mb_of = found
+    np.testing.assert_array_equal(np.sort(order), segs)
+    assert imbalance <= 1.01
+    for m in range(8):  # within the budget: rows x longest
+        rows = lengths[order[mb_of == m]]
+        assert rows.size and rows.size * rows.max() <= 8192
+    # Each long example shares its step with ranks built to its cost.
+    rank_cost = np.bincount(mb_of, weights=lengths[order], minlength=8).reshape(2, 4)
+    for step in rank_cost:
+        assert step.max() / step.mean() <= 1.01

@@ -28,14 +28,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from smart_batching.distributed._anchor import anchored_steps
 from smart_batching.distributed._balance import UnitLimits, _deal, _sift_down, gather_segments, rank_costs
 from smart_batching.distributed._tuning import (
+    FILL_TOLERANCE,
     MAX_MIX_DONORS,
     MIX_GIVE_UP_LEVELS,
     MIX_KEEP_TOLERANCE,
     MIX_SEGMENT_BUDGET,
     MIX_TOLERANCE,
     REFORM_TOLERANCE,
+    TAIL_STEPS,
 )
 
 
@@ -257,18 +260,19 @@ def _balance_ranks(ranks, tol, mb_of, cost, length, per_rank, state, limits):  #
 
 
 @njit(cache=True, nogil=True)
-def _even_out(mb_of, cost, length, num_steps, num_ranks, per_rank, tol, limits):  # pragma: no cover
-    """Steps 3-4 of the module docstring, in place on ``mb_of`` (flat ``(load, slot)`` micro-batch of
-    each segment, ``num_steps * num_ranks`` loads): every load evened out towards the mean of all,
-    the loads sorted by cost into steps of ``num_ranks``, each step evened out."""
+def _even_out(mb_of, cost, length, num_steps, num_ranks, per_rank, tol, limits, regroup):  # pragma: no cover
+    """Step 2 of the module docstring, in place on ``mb_of`` (flat ``(load, slot)`` micro-batch of each
+    segment, ``num_steps * num_ranks`` loads): with ``regroup``, every load evened out towards the mean
+    of all and the loads sorted by cost into steps of ``num_ranks``; then each step evened out."""
     num_loads = num_steps * num_ranks
     state = _state(mb_of, length, cost, num_loads, per_rank)
-    _balance_ranks(np.arange(num_loads), tol, mb_of, cost, length, per_rank, state, limits)
-    place = np.empty(num_loads, dtype=np.int64)
-    place[np.argsort(-state[3], kind="mergesort")] = np.arange(num_loads)
-    for i in range(mb_of.shape[0]):
-        mb_of[i] = place[mb_of[i] // per_rank] * per_rank + mb_of[i] % per_rank
-    state = _state(mb_of, length, cost, num_loads, per_rank)
+    if regroup:
+        _balance_ranks(np.arange(num_loads), tol, mb_of, cost, length, per_rank, state, limits)
+        place = np.empty(num_loads, dtype=np.int64)
+        place[np.argsort(-state[3], kind="mergesort")] = np.arange(num_loads)
+        for i in range(mb_of.shape[0]):
+            mb_of[i] = place[mb_of[i] // per_rank] * per_rank + mb_of[i] % per_rank
+        state = _state(mb_of, length, cost, num_loads, per_rank)
     for st in range(num_steps):
         ranks = np.arange(st * num_ranks, (st + 1) * num_ranks)
         _balance_ranks(ranks, tol, mb_of, cost, length, per_rank, state, limits)
@@ -346,7 +350,7 @@ def mix_steps(
     cost = seg_cost[order].astype(np.int64)
     if not (mb_of.shape[0] and mb_of[0] < 0) and _fill_empty(mb_of, cost, num_mbs, accum_steps):
         length = seg_len[order].astype(np.int64)
-        _even_out(mb_of, cost, length, num_steps, world_size, accum_steps, MIX_TOLERANCE, limit_args)
+        _even_out(mb_of, cost, length, num_steps, world_size, accum_steps, MIX_TOLERANCE, limit_args, True)
         best = (float(step_imbalance(mb_of, cost, num_steps, world_size, accum_steps).max()), order, mb_of)
     if unit_sizes.shape[0] == num_mbs and (best is None or best[0] > MIX_TOLERANCE):
         cost = seg_cost[segs].astype(np.int64)
@@ -354,10 +358,66 @@ def mix_steps(
         unit_cost = np.add.reduceat(cost, firsts) if segs.size else np.zeros(0, dtype=np.int64)
         mb_of = np.repeat(_deal_units(unit_cost, num_steps * world_size, accum_steps), unit_sizes)
         length = seg_len[segs].astype(np.int64)
-        _even_out(mb_of, cost, length, num_steps, world_size, accum_steps, MIX_TOLERANCE, limit_args)
+        _even_out(mb_of, cost, length, num_steps, world_size, accum_steps, MIX_TOLERANCE, limit_args, True)
         score = float(step_imbalance(mb_of, cost, num_steps, world_size, accum_steps).max())
         if best is None or score < best[0]:
             best = (score, segs, mb_of)
+    if best is None or best[0] > MIX_TOLERANCE:
+        anchored = _anchored_deal(segs, seg_cost, seg_len, num_steps, world_size, accum_steps, limits)
+        if anchored is not None and (best is None or anchored[0] < best[0]):
+            best = anchored
+    return best
+
+
+def _anchored_deal(
+    segs: np.ndarray,
+    seg_cost: np.ndarray,
+    seg_len: np.ndarray,
+    num_steps: int,
+    world_size: int,
+    accum_steps: int,
+    limits: UnitLimits,
+) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """The third deal of :func:`mix_steps`: steps formed around an anchor (:mod:`._anchor`), the rest
+    (alone, or with the last formed step or three) dealt and every step evened out; the most even."""
+    group = world_size * accum_steps
+    asc = segs[np.argsort(seg_cost[segs], kind="stable")]  # (s,) cheapest first
+    cost = seg_cost[asc].astype(np.int64)
+    length = seg_len[asc].astype(np.int64)
+    power = 1 if np.array_equal(cost, length) else 2 if np.array_equal(cost, length * length) else 0
+    limit_args = _limit_args(limits)
+    planned = -1 if limits.batch_size is None else limits.batch_size
+    formed_of, formed, _ = anchored_steps(
+        cost,
+        length,
+        num_steps,
+        world_size,
+        accum_steps,
+        FILL_TOLERANCE,
+        REFORM_TOLERANCE,
+        power,
+        *limit_args,
+        planned,
+    )
+    best: tuple[float, np.ndarray, np.ndarray] | None = None
+    for back in sorted({0, 1, min(TAIL_STEPS, formed)}) if formed > 0 else ():
+        keep = formed - back
+        mb_of = np.where(formed_of < keep * group, formed_of, -1)
+        rest = np.flatnonzero(mb_of < 0)[::-1]  # (r,) costliest first
+        steps_left = num_steps - keep
+        if rest.shape[0] < steps_left * group or (rest.shape[0] and not steps_left):
+            continue
+        if rest.shape[0]:
+            dealt = _deal(asc[rest], seg_cost, seg_len, steps_left * world_size, accum_steps, limits)
+            if (dealt.shape[0] and dealt[0] < 0) or not _fill_empty(
+                dealt, cost[rest], steps_left * group, accum_steps
+            ):
+                continue
+            mb_of[rest] = keep * group + dealt
+        _even_out(mb_of, cost, length, num_steps, world_size, accum_steps, MIX_TOLERANCE, limit_args, False)
+        score = float(step_imbalance(mb_of, cost, num_steps, world_size, accum_steps).max())
+        if best is None or score < best[0]:
+            best = (score, asc, mb_of)
     return best
 
 
@@ -439,8 +499,8 @@ def mix_uneven(
                 break
             if chosen.shape[0] >= min(num_steps, MAX_MIX_DONORS + 1) or budget <= 0:
                 break
-            if best is not None and misses >= MIX_GIVE_UP_LEVELS:
-                break  # larger pools stopped helping
+            if best is not None and best[0] <= MIX_KEEP_TOLERANCE and misses >= MIX_GIVE_UP_LEVELS:
+                break  # good enough, and larger pools stopped helping
             reach *= 2
         if best is None or best[0] >= keep_below:
             continue

@@ -82,8 +82,9 @@ bimodal tails even out with 1 to 16 at every world size from 8 to 1,024; more ra
 each try deals its whole pool again."""
 
 MIX_GIVE_UP_LEVELS = 2
-"""Pool sizes tried in a row without a more even result before the donor search of a step stops (once
-it has a result): past the best size, larger pools mix in ever more unlike steps and rarely help."""
+"""Pool sizes tried in a row without a more even result before the donor search of a step stops, once
+it has a result it would keep: past the best size, larger pools mix in ever more unlike steps and
+rarely help (a step still far from even keeps trying up to :data:`MAX_MIX_DONORS`)."""
 
 MIX_SEGMENT_BUDGET = 4_000_000
 """Segments dealt again, over every try of every uneven step, before the donor search stops (the
