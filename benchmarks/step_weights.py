@@ -14,10 +14,16 @@ No training: the plans of the bench's step-matched budgets (``run_bench(match_st
 * ``first_step_length``: the first step's mean example length over the mean (the costliest-first
   rule puts the largest batch first).
 
+``--grad-norms K``: instead, train K steps of random batches (AdamW, the bench's learning rate) on
+SmolLM2's first ``--layers`` layers and print each step's gradient norm before clipping: where it is
+above ``max_grad_norm`` (1.0 in the bench) at every step, clipping gives every step an update of the
+same norm, and no loss normalisation (per step or per epoch) changes what the model learns.
+
 Usage::
 
     python benchmarks/step_weights.py --data ../shared/data/gsm8k/train.jsonl --num-examples 240 --batch-size 16
     python benchmarks/step_weights.py --data humaneval.jsonl --num-examples 128 --batch-size 8 --json
+    python benchmarks/step_weights.py --data humaneval.jsonl --batch-size 8 --grad-norms 6 --layers 2
 """
 
 from __future__ import annotations
@@ -87,6 +93,31 @@ def step_weights(
     }
 
 
+def grad_norms(
+    data: Any, tokenizer_model: Any, steps: int, batch_size: int, lr: float
+) -> list[dict[str, float]]:
+    """Loss and gradient norm (before clipping) of ``steps`` AdamW steps on consecutive batches."""
+    import torch
+
+    from smart_batching.collate import PaddingCollator
+
+    torch.manual_seed(0)
+    model = tokenizer_model.fresh("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    out = []
+    for step in range(steps):
+        rows = [data.train[i % data.num_train] for i in range(step * batch_size, (step + 1) * batch_size)]
+        batch = PaddingCollator(0)(rows)
+        labels = batch.pop("labels")
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append({"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from smart_batching.data.tasks import prepare_training_data
     from smart_batching.data.tokenizers import load_tokenizer
@@ -99,7 +130,31 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--max-length", type=int, default=None)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--json", action="store_true", help="one JSON line per strategy")
+    parser.add_argument(
+        "--grad-norms", type=int, default=0, metavar="K", help="train K steps, print grad norms"
+    )
+    parser.add_argument("--layers", type=int, default=2, help="SmolLM2 layers for --grad-norms")
+    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate for --grad-norms")
     opts = parser.parse_args(argv)
+    if opts.grad_norms:
+        import torch
+
+        from smart_batching.models.zoo import load_training_model
+
+        torch.set_num_threads(1)
+        bm = load_training_model("smollm2", model_options={"num_hidden_layers": opts.layers})
+        data = prepare_training_data(
+            opts.data, tokenizer=bm.tokenizer, num_examples=opts.num_examples, eval_examples=8, num_prompts=0,
+            max_length=opts.max_length,
+        )  # fmt: skip
+        rows = grad_norms(data, bm, opts.grad_norms, opts.batch_size, opts.lr)
+        for r in rows:
+            print(
+                json.dumps(r)
+                if opts.json
+                else f"step {r['step']}: loss {r['loss']:.3f}, grad norm {r['grad_norm']:.2f}"
+            )
+        return rows
     data = prepare_training_data(
         opts.data, tokenizer=load_tokenizer("smollm2"), num_examples=opts.num_examples, eval_examples=8,
         num_prompts=0, max_length=opts.max_length,

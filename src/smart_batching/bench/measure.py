@@ -266,7 +266,6 @@ class HeldOutCurve(TrainerCallback):
         out: dict[str, Any] = {k: [p.get(k) for p in self.points] for k in keys}
         for k in ("wall_seconds", "cpu_seconds"):
             out[k] = [round(v, 4) for v in out[k]]
-        out["loss"] = [round(v, 6) for v in out["loss"]]
         out["eval_wall_seconds"] = round(self.eval_wall, 4)
         out["eval_cpu_seconds"] = round(self.eval_cpu, 4)
         out["every"] = self.every.to_dict() if self.every is not None else None

@@ -461,7 +461,7 @@ def _finish_record(
                 curve[key].pop()
         final = {"step": m["num_steps"], "tokens": real, "examples": examples, "wall_seconds": round(wall, 4),
                  "cpu_seconds": round(m["cpu_seconds"], 4), "epoch": float(s["epochs"]),
-                 "loss": round(float(ev["loss"]), 6), "accuracy": ev.get("accuracy")}  # fmt: skip
+                 "loss": float(ev["loss"]), "accuracy": ev.get("accuracy")}  # fmt: skip
         for key in columns:
             curve[key].append(final[key])
     peaks = [v for v in m["peak_memory_mb"] if v is not None]
