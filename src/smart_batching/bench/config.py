@@ -67,7 +67,8 @@ class BenchConfig:
         eval_every: held-out loss during training (:mod:`~smart_batching.bench.curve`): every N optimizer
             steps (``5``), every N real training tokens (``"20000tok"``), ``"auto"`` (evaluations
             costing about a tenth of the training compute) or None (off: the curve has the initial and
-            the final evaluation only). Evaluation time is kept out of the training clock. ``nproc=1``.
+            the final evaluation, and one at each earlier epoch's end). Evaluation time is kept out of
+            the training clock. Needs ``nproc=1``.
         target: held-out loss that time to target is measured to; None means ``random``'s final
             held-out loss for the same seed (``random`` must then be among the strategies).
         num_generations: held-out prompts to generate for (GSM8K: the exact-match sample); None means 16

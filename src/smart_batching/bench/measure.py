@@ -149,6 +149,7 @@ class HeldOutCurve(TrainerCallback):
             (:class:`~.measure.CountingCollator`'s ``real_tokens``), read at each step's end.
         examples: the per-batch example counts, likewise.
         initial_loss: held-out loss of the initial weights (the point at step 0); None leaves it out.
+        epoch_ends: also evaluate at each epoch's end but the last (False: only at the cadence).
     """
 
     def __init__(
@@ -159,8 +160,10 @@ class HeldOutCurve(TrainerCallback):
         real_tokens: Sequence[int],
         examples: Sequence[int],
         initial_loss: float | None = None,
+        epoch_ends: bool = True,
     ) -> None:
         self.evaluate = evaluate
+        self.epoch_ends = epoch_ends
         self.every = every
         self.real_tokens = real_tokens
         self.examples = examples
@@ -221,6 +224,7 @@ class HeldOutCurve(TrainerCallback):
         last = round(state.epoch or 0.0) >= round(float(args.num_train_epochs))
         if (
             model is None
+            or not self.epoch_ends
             or last
             or step >= state.max_steps
             or (self.points and self.points[-1]["step"] == step)

@@ -184,7 +184,9 @@ def _curve_callback(bench: BenchContext, collator: Any) -> Any:
     from smart_batching.bench.measure import HeldOutCurve
 
     s, data = bench.settings, bench.data
-    every = parse_eval_every(s.get("eval_every"))
+    # One of several ranks (nproc > 1): the bench process evaluates the trained weights once, not here.
+    rank_of_several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    every = None if rank_of_several else parse_eval_every(s.get("eval_every"))
     if every is not None and every.auto:
         eval_tokens = int(sum(len(x) for x in data.eval["input_ids"]))
         steps = -(-data.num_train // s["batch_size"]) * s["epochs"]
@@ -195,6 +197,7 @@ def _curve_callback(bench: BenchContext, collator: Any) -> Any:
         real_tokens=collator.real_tokens,
         examples=collator.examples,
         initial_loss=(bench.eval_initial or {}).get("loss"),
+        epoch_ends=not rank_of_several,
     )
 
 
