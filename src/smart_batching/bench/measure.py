@@ -185,8 +185,14 @@ class HeldOutCurve(TrainerCallback):
         self._start: tuple[float, float] | None = None
         self._next_tokens: int | None = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def start(self) -> None:
+        """Start the clocks now (call it where the caller's own training clock starts, so the last
+        point and the run's ``wall_seconds`` agree); else they start at ``on_train_begin``."""
         self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._start is None:
+            self.start()
         if self.every is not None and self.every.tokens is not None:
             self._next_tokens = self.every.tokens
 

@@ -371,6 +371,7 @@ def train_run(
         try:
             with PeakMemory(bench.device) as mem:
                 start, cpu_start = time.perf_counter(), time.process_time()
+                curve.start()
                 trainer.train()
                 # Evaluations during training are timed apart and left out of the training clock.
                 wall = time.perf_counter() - start - curve.eval_wall
