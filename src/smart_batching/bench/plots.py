@@ -292,7 +292,13 @@ def plot_time_to_quality(
         grid, center, low, high = curve_band([r.get("eval_curve") or {} for r in runs], x)
         if grid.size == 0:
             continue
-        ax.plot(grid, center, color=colors[name], linewidth=1.8, label=f"{name} ({len(runs)} seeds)")
+        ax.plot(
+            grid,
+            center,
+            color=colors[name],
+            linewidth=1.8,
+            label=f"{name} ({len(runs)} seed{'' if len(runs) == 1 else 's'})",
+        )
         if len(runs) > 1:
             ax.fill_between(grid, low, high, color=colors[name], alpha=0.18, linewidth=0)
     if target is None:
