@@ -16,6 +16,7 @@ import smart_batching as sb
 from smart_batching.distributed import distribute
 from smart_batching.errors import ConfigError
 from smart_batching.planners import REGISTRY, GroupByLengthSpec, make_spec
+from smart_batching.planners._common import lay_out
 from smart_batching.streaming import StreamingBatcher
 
 CONFIGS = {
@@ -74,8 +75,8 @@ def raw_plan(lengths: np.ndarray, key: str, seed: int, epoch: int) -> list[list[
     spec = make_spec(name, **CONFIGS[key])
     rng = np.random.default_rng(np.random.SeedSequence([seed, epoch]))
     parts = REGISTRY[name][1](lengths, spec, rng)
-    ids = parts.segments.example_ids[parts.order]
-    bounds = parts.row_offsets[parts.batch_offsets]
+    segments, batches = lay_out(parts.segments, parts.batches)  # the planner's shuffle, nothing moved
+    ids, bounds = segments.example, batches.bounds
     return [ids[bounds[b] : bounds[b + 1]].tolist() for b in range(len(bounds) - 1)]
 
 
@@ -277,7 +278,7 @@ def test_distributed_step_zero_holds_the_costliest(
     before = distribute(without_rule(plan), world_size, accum_steps=accum, seed=1)
     packs_rows = plan.spec.packs_rows
     slots = d.assignment.reshape(-1)
-    lens = [plan.seg_lengths[d.unit_segments(u)] for u in slots.tolist() if u >= 0]
+    lens = [plan.seg_lengths[d.micro_batch_segments(m)] for m in slots.tolist() if m >= 0]
     foot, longest = measure(lens, None, packs_rows)
     full = np.full(slots.shape[0], -1)
     full[slots >= 0] = foot
@@ -293,7 +294,7 @@ def test_distributed_step_zero_holds_the_costliest(
         top = max(zip(full, full_longest, strict=True))
         assert max(firsts) == top
     # A permutation of whole steps: the same units, the same steps, balance exactly as before.
-    for name in ("segment_order", "unit_start", "unit_end", "unit_cost"):
+    for name in ("segment_order", "micro_batch_start", "micro_batch_end", "micro_batch_cost"):
         np.testing.assert_array_equal(getattr(d, name), getattr(before, name))
     assert sorted(step_signature(d, s) for s in range(d.num_steps)) == sorted(
         step_signature(before, s) for s in range(before.num_steps)
@@ -319,7 +320,7 @@ def test_distributed_rule_moves_steps(heavy_tailed) -> None:
         moved += not np.array_equal(d.assignment, before.assignment)
         # The issue's case: the longest example is in micro-batch 0 of the first step on some rank.
         assert (
-            max(int(heavy_tailed[d.unit_examples(int(u))].max()) for u in d.assignment[0, :, 0])
+            max(int(heavy_tailed[d.micro_batch_examples(int(m))].max()) for m in d.assignment[0, :, 0])
             == heavy_tailed.max()
         )
     assert moved >= 3
@@ -352,7 +353,7 @@ def test_distributed_sampler_yields_the_costliest_first(heavy_tailed) -> None:
 def test_range_sums_and_maxima_in_any_order(overlap: bool) -> None:
     """Sums and maxima of ranges in shuffled order (a distributed plan's micro-batches), empty ranges
     and overlapping ones included, equal a plain loop over them."""
-    from smart_batching.planners._spec import range_sums_and_maxima
+    from smart_batching.plan import range_sums_and_maxima
 
     rng = np.random.default_rng(4)
     values = rng.integers(1, 1000, size=500)

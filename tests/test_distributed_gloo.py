@@ -77,7 +77,7 @@ def _worker(rank: int, world_size: int, store: str, out: str) -> None:
         sampler = DistributedSmartBatchSampler(LENGTHS, name, world=world, accum_steps=2, seed=3, **options)
         epochs = [list(sampler), list(sampler)]
         report[name] = epochs
-        assert len(epochs[0]) == len(sampler.distributed_plan(0).rank_units(rank))
+        assert len(epochs[0]) == len(sampler.distributed_plan(0).rank_micro_batches(rank))
         first = epochs[0]
         for k in range(len(first) + 1):
             s = DistributedSmartBatchSampler(LENGTHS, name, world=world, accum_steps=2, seed=3, **options)

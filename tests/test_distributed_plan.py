@@ -15,8 +15,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def seen_examples(d) -> np.ndarray:
-    units = [u for r in range(d.world_size) for u in d.rank_units(r) if u >= 0]
-    return np.concatenate([d.unit_examples(u) for u in units]) if units else np.zeros(0, np.int64)
+    mbs = [m for r in range(d.world_size) for m in d.rank_micro_batches(r) if m >= 0]
+    return np.concatenate([d.micro_batch_examples(m) for m in mbs]) if mbs else np.zeros(0, np.int64)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,12 @@ def test_every_example_once_equal_steps(heavy_tailed, strategy, options, world_s
     # Every rank has the same number of micro-batches: steps × accum.
     assert d.assignment.shape == (d.num_steps, world_size, accum)
     for r in range(world_size):
-        assert d.rank_units(r).shape[0] == d.num_steps * accum
-    # The ragged tail is absorbed by splitting, not by empty slots, when units can be split.
+        assert d.rank_micro_batches(r).shape[0] == d.num_steps * accum
+    # The ragged tail is absorbed by splitting, not by empty slots, when micro-batches can be split.
     assert d.num_empty_slots == 0
-    # Units respect the strategy's limits after balancing.
-    for u in range(len(d.unit_start)):
-        segs = d.unit_segments(u)
+    # Micro-batches respect the strategy's limits after balancing.
+    for m in range(len(d.micro_batch_start)):
+        segs = d.micro_batch_segments(m)
         lens = plan.seg_lengths[segs]
         if strategy == "packed":
             assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
@@ -100,8 +100,8 @@ def test_attention_cost() -> None:
     )
     tokens = distribute(plan, 2, cost="tokens")
     attention = distribute(plan, 2, cost="attention")
-    assert attention.unit_cost.sum() == (np.array([100, 100] + [10] * 10) ** 2).sum()
-    assert tokens.unit_cost.sum() == 300
+    assert attention.micro_batch_cost.sum() == (np.array([100, 100] + [10] * 10) ** 2).sum()
+    assert tokens.micro_batch_cost.sum() == 300
 
 
 def test_world_validation_and_detect(monkeypatch) -> None:
@@ -178,7 +178,7 @@ def test_real_lengths_every_step_within_two_percent(
         assert d.max_step_imbalance <= 1.02, (name, d.max_step_imbalance)
         # Balancing never exceeds the strategy's limits.
         for u in np.unique(d.assignment):
-            lens = plan.seg_lengths[d.unit_segments(int(u))]
+            lens = plan.seg_lengths[d.micro_batch_segments(int(u))]
             if strategy == "token_budget":
                 assert lens.size * lens.max() <= options["max_tokens"]
             elif strategy == "packed":

@@ -129,9 +129,10 @@ class LongestFirstSpec(PlannerSpec):
 
 
 def plan_longest_first(lengths: np.ndarray, spec: LongestFirstSpec, rng: np.random.Generator):
-    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
-    order = np.argsort(-segments.lengths, kind="stable")
-    return padded_parts(segments, order, fixed_offsets(order.shape[0], spec.batch_size, drop_last=False))
+    segments, counts = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
+    order = np.argsort(-segments.length, kind="stable")
+    offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=False)
+    return padded_parts(segments, counts, order, offsets)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ several examples per row?   ``cls.packs_rows`` (the packing collator, packed att
 its collator                ``cls.collator(pad_token_id=..., **options)``
 fixed padded width          ``spec.fixed_width(longest)`` (None: each batch's longest)
 per-example token limit     ``spec.token_limit()`` -> ``(tokens or None, setting name)``
-limits after balancing      ``spec.unit_limits()`` (:class:`UnitLimits`)
+limits after balancing      ``spec.micro_batch_limits()`` (:class:`MicroBatchLimits`)
 a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` or None)
 ``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
 largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
@@ -33,17 +33,43 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from smart_batching.errors import ConfigError
-
-if TYPE_CHECKING:
-    from smart_batching.planners._rounds import Cut, Room, Tuning
+from smart_batching.plan import Batches, BatchShapes
 
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class Room(NamedTuple):
+    """What may stay in a stream's buffer after a round."""
+
+    segments: int
+    tokens: int
+
+
+class Tuning(NamedTuple):
+    """Knobs of rounds that pack rows (see :class:`~smart_batching.streaming.StreamingBatcher`)."""
+
+    min_row_fill: float
+    reserve: float
+
+
+class Cut(NamedTuple):
+    """A round's decision over a stream's buffer (:meth:`PlannerSpec.plan_round`).
+
+    Attributes:
+        batches: the batches to emit now; their ``order`` holds positions of the buffer.
+        keep: positions that stay in the buffer, ascending.
+        drop: positions left out (``drop_last`` at the end of the stream).
+    """
+
+    batches: Batches
+    keep: np.ndarray = _EMPTY
+    drop: np.ndarray = _EMPTY
 
 
 @dataclass(frozen=True)
@@ -74,19 +100,32 @@ class Knobs:
 
 
 @dataclass(frozen=True)
-class UnitLimits:
-    """What a micro-batch may hold after balancing across ranks (:meth:`PlannerSpec.unit_limits`)."""
+class MicroBatchLimits:
+    """What a micro-batch may hold after balancing across ranks (:meth:`PlannerSpec.micro_batch_limits`).
 
-    capacity: int | None  # packed: tokens per row
-    rows_per_unit: int  # packed: rows per micro-batch
-    max_tokens: int | None  # token budget: rows × longest
-    max_rows: int | None  # most examples per micro-batch (fixed sizes: a little slack allowed)
-    batch_size: int | None = None  # fixed-size strategies: the planned size, without the slack
+    Attributes:
+        capacity: packed strategies: tokens per row (None: rows are padded).
+        rows_per_micro_batch: packed strategies: rows per micro-batch.
+        max_tokens: token budgets: most rows × longest.
+        max_rows: most segments per micro-batch (fixed sizes: a little slack allowed); None: no limit.
+        batch_size: fixed-size strategies: the planned size, without the slack.
+    """
+
+    capacity: int | None
+    rows_per_micro_batch: int
+    max_tokens: int | None
+    max_rows: int | None
+    batch_size: int | None = None
+
+    @property
+    def rows_per_unit(self) -> int:
+        """The former name of :attr:`rows_per_micro_batch` (``distributed/_balance.py`` reads it)."""
+        return self.rows_per_micro_batch
 
     @classmethod
-    def of(cls, plan: Any) -> UnitLimits:
+    def of(cls, plan: Any) -> MicroBatchLimits:
         """The limits of ``plan``'s strategy."""
-        return plan.spec.unit_limits()
+        return plan.spec.micro_batch_limits()
 
     def fits(self, lengths: np.ndarray, *, planned: bool = False) -> bool:
         """Whether a micro-batch of segments with these token lengths respects the limits;
@@ -96,7 +135,7 @@ class UnitLimits:
     def admits(self, rows: int, tokens: int, longest: int, *, planned: bool = False) -> bool:
         """:meth:`fits` for a micro-batch of ``rows`` segments, ``tokens`` in all, the longest ``longest``."""
         if self.capacity is not None:
-            return tokens <= self.capacity * self.rows_per_unit
+            return tokens <= self.capacity * self.rows_per_micro_batch
         max_rows = self.batch_size if planned and self.batch_size is not None else self.max_rows
         if max_rows is not None and rows > max_rows:
             return False
@@ -107,96 +146,16 @@ class UnitLimits:
         if rows == 0:
             return math.inf
         if self.capacity is not None:
-            return cost_of_length(self.capacity * self.rows_per_unit - tokens)
+            return cost_of_length(self.capacity * self.rows_per_micro_batch - tokens)
         most = math.inf if self.max_rows is None else self.max_rows
         if self.max_tokens is not None:
             most = min(most, self.max_tokens // max(longest, 1))
         return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
 
 
-def range_sums_and_maxima(
-    values: np.ndarray, starts: np.ndarray, ends: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sum and maximum of ``values[starts[i]:ends[i]]`` for each range ``i`` (0 for an empty one); the
-    ranges may come in any order.
-
-    Returns:
-        ``(sums, maxima)``, each ``(len(starts),)`` int64. Two vectorised passes over ``values``.
-    """
-    if starts.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    csum = np.zeros(values.shape[0] + 1, dtype=np.int64)
-    np.cumsum(values, out=csum[1:])
-    sums = csum[ends] - csum[starts]
-    # One reduceat over interleaved (start, end) bounds; the appended 0 keeps an end bound in range.
-    # reduceat also reduces each gap [end_i, start_i+1): with the ranges in start order and disjoint
-    # (every plan's batches, dealt to ranks in any order) the bounds only grow and the gaps hold each
-    # value once, O(n); in their given order a gap can span most of the array (O(n × ranges): 7 s
-    # for 1M examples dealt to 1,024 ranks).
-    padded = np.append(values, 0).astype(np.int64, copy=False)
-    by_start = np.argsort(starts, kind="stable")  # (num_ranges,)
-    s, e = starts[by_start], ends[by_start]
-    maxima = np.zeros(starts.shape[0], dtype=np.int64)
-    if np.all(s[1:] >= np.maximum(e[:-1], s[:-1])):  # disjoint (empty ranges anywhere)
-        bounds = np.stack([s, np.maximum(e, s)], axis=1).reshape(-1)  # non-decreasing
-        maxima[by_start] = np.maximum.reduceat(padded, bounds)[::2]
-    else:  # overlapping ranges: each gap reduced in the given order (rare: no plan makes them)
-        maxima[:] = np.maximum.reduceat(padded, np.stack([starts, ends], axis=1).reshape(-1))[::2]
-    empty = ends <= starts
-    sums[empty] = 0
-    maxima[empty] = 0
-    return sums, maxima
-
-
-class BatchShapes:
-    """What the costliest-first rule may ask of each batch (:meth:`PlannerSpec.costliest_keys`), over
-    ``(num_batches,)`` arrays; ``tokens`` and ``longest`` each cost one pass over the segments, made
-    only when asked.
-
-    Args:
-        rows: rows of each batch.
-        width: padded tokens per row of each batch; None: each batch's longest segment.
-        lengths: segment lengths; batch ``b`` holds ``lengths[starts[b]:ends[b]]``.
-    """
-
-    def __init__(
-        self,
-        rows: np.ndarray,
-        width: np.ndarray | None,
-        lengths: np.ndarray,
-        starts: np.ndarray,
-        ends: np.ndarray,
-    ) -> None:
-        self.rows = rows
-        self._width = width
-        self._lengths, self._starts, self._ends = lengths, starts, ends
-        # Consecutive, non-empty batches (every plan's): a reduceat each, no copies.
-        self._consecutive = bool(
-            starts.shape[0]
-            and starts[0] == 0
-            and np.all(ends > starts)
-            and np.array_equal(starts[1:], ends[:-1])
-        )
-
-    @cached_property
-    def width(self) -> np.ndarray:
-        return self.longest if self._width is None else self._width
-
-    def _reduce(self, ufunc: np.ufunc) -> np.ndarray:
-        if self._consecutive:
-            return ufunc.reduceat(self._lengths[: int(self._ends[-1])], self._starts).astype(np.int64)
-        sums, maxima = range_sums_and_maxima(self._lengths, self._starts, self._ends)
-        return sums if ufunc is np.add else maxima
-
-    @cached_property
-    def tokens(self) -> np.ndarray:
-        """Real tokens of each batch."""
-        return self._reduce(np.add)
-
-    @cached_property
-    def longest(self) -> np.ndarray:
-        """Tokens of each batch's longest segment."""
-        return self._reduce(np.maximum)
+UnitLimits = MicroBatchLimits
+"""The former name of :class:`MicroBatchLimits` ("unit" now means an example or document only,
+:mod:`smart_batching.units`); kept for ``distributed/_balance.py`` and ``_reform.py``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,11 +247,11 @@ class PlannerSpec:
         """Most tokens one segment may hold, and the name of the setting that says so."""
         return getattr(self, "max_length", None), "max_length"
 
-    def unit_limits(self) -> UnitLimits:
+    def micro_batch_limits(self) -> MicroBatchLimits:
         """What a micro-batch may hold after balancing across ranks. Default: a fixed batch size,
         with a little slack (an eighth) for the balancer's moves."""
         bs = getattr(self, "batch_size", None)
-        return UnitLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
+        return MicroBatchLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
 
     def leads_with_costliest(self) -> bool:
         """Whether the batch with the largest :meth:`footprint` goes first (step 0 of every epoch; on
@@ -301,7 +260,7 @@ class PlannerSpec:
 
         Default: the spec's ``costliest_first`` option, False for a spec without one. A new strategy
         gets the rule by declaring ``costliest_first: bool = True``; the swap itself is done outside the
-        planner (:func:`~smart_batching.planners._common.lead_with_costliest`), ranking batches by
+        planner (:func:`~smart_batching.plan.lead_with_costliest`), ranking batches by
         :meth:`costliest_keys`. Its cost in randomness: one batch per epoch moved to the front by a
         swap with batch 0; the rest keeps its order.
         """
@@ -335,7 +294,8 @@ class PlannerSpec:
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
     ) -> Cut:
-        """One online planning round over a stream's buffer (:mod:`smart_batching.planners._rounds`).
+        """One online planning round over a stream's buffer (:mod:`smart_batching.planners._rounds` has
+        the pieces).
 
         Args:
             lens: ``(m,)`` token lengths of the buffered segments.

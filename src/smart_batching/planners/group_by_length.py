@@ -39,21 +39,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from smart_batching.errors import ConfigError
+from smart_batching.plan import BatchShapes
 from smart_batching.planners._common import (
-    PlannerSpec,
     PlanParts,
     apply_overlong,
     drop_tail,
     fixed_offsets,
     padded_parts,
     permutation,
-    permute_batches,
     sort_blocks,
     sort_by_length,
     sort_within_windows,
 )
-from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
-from smart_batching.planners._spec import BatchShapes, Knobs
+from smart_batching.planners._rounds import fixed_size_round
+from smart_batching.planners._spec import Cut, Knobs, PlannerSpec, Room, Tuning
 
 MODES = ("megabatch", "sorted")
 GENERATORS = ("numpy", "torch")
@@ -150,7 +149,7 @@ class GroupByLengthSpec(PlannerSpec):
             order, _ = megabatch_order(lens, self.batch_size, self.megabatch_mult, rng)
             shuffle_batches = False
         else:
-            order, shuffle_batches = sort_by_length(lens, rng), True
+            order, shuffle_batches = sort_by_length(lens, rng)[0], True
         return fixed_size_round(
             lens, order, rng, room, batch_size=self.batch_size, drop_last=self.drop_last,
             shuffle_batches=shuffle_batches,
@@ -187,23 +186,22 @@ def megabatch_order(
 
 
 def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.random.Generator) -> PlanParts:
-    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
-    seg_len = segments.lengths
+    segments, counts = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
+    seg_len = segments.length
     if spec.mode == "megabatch":
         perm = torch_permutation(seg_len.shape[0], rng) if spec.generator == "torch" else None
         order, ordered = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng, perm)
         offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
-    else:
-        order = sort_within_windows(seg_len, rng, spec.window)
-        offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
         if spec.drop_last:
-            segments = drop_tail(segments, order, offsets)
-            order = order[: int(offsets[-1])]
-        order, offsets = permute_batches(order, offsets, permutation(len(offsets) - 1, rng))
-        return padded_parts(segments, order, offsets)
+            counts = drop_tail(segments, counts, order, offsets)
+        return padded_parts(segments, counts, order, offsets, ordered=ordered)
+    order, ordered = sort_within_windows(seg_len, rng, spec.window)
+    offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
     if spec.drop_last:
-        segments = drop_tail(segments, order, offsets)
-    return padded_parts(segments, order, offsets, ordered=ordered)
+        counts = drop_tail(segments, counts, order, offsets)
+    # Batches in a random order, applied when the plan is laid out (with the costliest one first).
+    shuffle = permutation(len(offsets) - 1, rng)
+    return padded_parts(segments, counts, order, offsets, ordered=ordered, batch_order=shuffle)
 
 
 def torch_permutation(n: int, rng: np.random.Generator) -> np.ndarray:
