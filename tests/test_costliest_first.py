@@ -10,6 +10,7 @@ from dataclasses import fields, replace
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 from test_planners import check_plan
 
 import smart_batching as sb
@@ -19,20 +20,24 @@ from smart_batching.planners import REGISTRY, GroupByLengthSpec, make_spec
 from smart_batching.planners._common import lay_out
 from smart_batching.streaming import StreamingBatcher
 
-CONFIGS = {
-    "group_by_length": dict(batch_size=4),
-    "group_by_length[sorted]": dict(batch_size=4, mode="sorted"),
-    "group_by_length[sorted,drop_last]": dict(batch_size=5, mode="sorted", drop_last=True),
-    "token_budget": dict(max_tokens=256),
-    "token_budget[multiple]": dict(max_tokens=256, batch_size_multiple=4),
-    "packed": dict(capacity=256),
-    "packed[bfd]": dict(capacity=256, algorithm="bfd"),
-    "packed[fill,3 rows]": dict(capacity=256, algorithm="fill", rows_per_batch=3),
-}
+
+def leads(spec) -> bool:
+    return spec.leads_with_costliest()
+
+
+def has_option(spec) -> bool:
+    return "costliest_first" in type(spec).__dataclass_fields__
+
+
+# Every registered strategy whose plans lead with the costliest batch, with the option sets its spec
+# gives (lengths of at most 250 tokens); OPTIONAL: those where it is the costliest_first option.
+CONFIGS = {p.id: p.values[1] for p in cases(250, leads)}
+STRATEGY_OF = {p.id: p.values[0] for p in cases(250, leads)}
+OPTIONAL = [p for p in cases(250, lambda s: leads(s) and has_option(s), first_only=True)]
 
 
 def strategy_of(key: str) -> str:
-    return key.split("[")[0]
+    return STRATEGY_OF[key]
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +109,11 @@ def test_one_swap_with_batch_zero(key: str, lengths: np.ndarray) -> None:
         expected[0], expected[k] = raw[k], raw[0]
         assert got == expected
         swaps += k > 0
-    if key != "group_by_length":  # megabatch mode has the longest example at the front already
+    if CONFIGS[key].get("mode") != "megabatch":  # megabatch mode has the longest example first already
         assert swaps > 0, "no seed moved a batch: the test would pass without the rule"
 
 
-@pytest.mark.parametrize(
-    "name, options", [("token_budget", CONFIGS["token_budget"]), ("packed", CONFIGS["packed"])]
-)
+@pytest.mark.parametrize("name, options", OPTIONAL)
 def test_costliest_first_off_is_the_planner_order(name: str, options: dict, lengths: np.ndarray) -> None:
     for seed in range(3):
         off = sb.plan_batches(lengths, name, seed=seed, costliest_first=False, **options)
@@ -120,7 +123,7 @@ def test_costliest_first_off_is_the_planner_order(name: str, options: dict, leng
         assert sorted(map(sorted, on.to_lists())) == sorted(map(sorted, off.to_lists()))
 
 
-@pytest.mark.parametrize("name", ["token_budget", "packed"])
+@pytest.mark.parametrize("name", [p.values[0] for p in OPTIONAL])
 def test_costliest_first_must_be_a_bool(name: str) -> None:
     with pytest.raises(ConfigError, match="costliest_first="):
         make_spec(name, costliest_first="no")
@@ -196,7 +199,13 @@ def stream_measure(batches: list[list[int]], lengths: np.ndarray, name: str, opt
     return measure([lengths[np.asarray(b, dtype=np.int64)] for b in batches], None, packs_rows)
 
 
-@pytest.mark.parametrize("key", [k for k in CONFIGS if "drop_last" not in k])
+# A stream plans a buffer at a time (no window=) and emits its last batch (no drop_last).
+STREAMED = [
+    k for k, options in CONFIGS.items() if not options.get("drop_last") and options.get("window") is None
+]
+
+
+@pytest.mark.parametrize("key", STREAMED)
 def test_stream_first_round_costliest_first(key: str, lengths: np.ndarray) -> None:
     name, options = strategy_of(key), CONFIGS[key]
     for seed in range(3):
@@ -206,9 +215,7 @@ def test_stream_first_round_costliest_first(key: str, lengths: np.ndarray) -> No
         assert_costliest_first(*stream_measure(batches, lengths, name, options), name)
 
 
-@pytest.mark.parametrize(
-    "name, options", [("token_budget", CONFIGS["token_budget"]), ("packed", CONFIGS["packed"])]
-)
+@pytest.mark.parametrize("name, options", OPTIONAL)
 def test_stream_first_round_only(name: str, options: dict, lengths: np.ndarray) -> None:
     """With a small buffer, one swap inside the first round; later rounds are as without the rule."""
     swaps = 0
@@ -254,13 +261,8 @@ def without_rule(plan: sb.BatchPlan) -> sb.BatchPlan:
     return replace(plan, spec=spec)
 
 
-DIST_STRATEGIES = [
-    ("group_by_length", dict(batch_size=8)),
-    ("group_by_length", dict(batch_size=8, mode="sorted")),
-    ("token_budget", dict(max_tokens=4096)),
-    ("packed", dict(capacity=4096)),
-    ("packed", dict(capacity=2048, rows_per_batch=2)),
-]
+# Lengths of at most 2,000 tokens (the heavy-tailed fixture).
+DIST_STRATEGIES = cases(2000, leads)
 
 
 def step_signature(d, step: int) -> tuple:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 
 import smart_batching as sb
 from smart_batching.distributed import World, distribute
@@ -25,13 +26,23 @@ def heavy_tailed() -> np.ndarray:
     return np.clip(rng.lognormal(5.0, 0.7, 3001), 8, 2000).astype(np.int64)
 
 
-STRATEGIES = [
-    ("random", dict(batch_size=8)),
-    ("group_by_length", dict(batch_size=8)),
-    ("token_budget", dict(max_tokens=4096)),
-    ("packed", dict(capacity=4096)),
-    ("packed", dict(capacity=2048, rows_per_batch=2)),
-]
+# Every registered strategy with the option sets its spec gives for lengths of at most 2,000 tokens;
+# DEFAULTS: each strategy's first set (the balance targets hold for those).
+STRATEGIES = cases(2000)
+DEFAULTS = cases(2000, first_only=True)
+
+
+def check_limits(plan, segs: np.ndarray, options: dict) -> None:
+    """A micro-batch within the strategy's limits, and within those its options name."""
+    lens = plan.seg_lengths[segs]
+    assert plan.spec.micro_batch_limits().fits(lens)
+    if "capacity" in options:
+        assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
+    if "max_tokens" in options:
+        assert lens.size * lens.max() <= options["max_tokens"]
+    if "batch_size" in options:
+        bs = options["batch_size"]
+        assert lens.size <= bs + max(1, bs // 8)
 
 
 @pytest.mark.parametrize("strategy, options", STRATEGIES)
@@ -48,16 +59,11 @@ def test_every_example_once_equal_steps(heavy_tailed, strategy, options, world_s
     # The ragged tail is absorbed by splitting, not by empty slots, when micro-batches can be split.
     assert d.num_empty_slots == 0
     # Micro-batches respect the strategy's limits after balancing.
-    for m in range(len(d.micro_batch_start)):
-        segs = d.micro_batch_segments(m)
-        lens = plan.seg_lengths[segs]
-        if strategy == "packed":
-            assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
-        if strategy == "token_budget":
-            assert len(lens) * lens.max() <= options["max_tokens"]
+    for m in np.unique(d.assignment):
+        check_limits(plan, d.micro_batch_segments(int(m)), options)
 
 
-@pytest.mark.parametrize("strategy, options", STRATEGIES)
+@pytest.mark.parametrize("strategy, options", DEFAULTS)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_balanced_on_heavy_tailed_lengths(heavy_tailed, strategy, options, world_size) -> None:
     plan = sb.plan_batches(heavy_tailed, strategy, seed=2, **options)
@@ -143,16 +149,11 @@ def gsm8k_lima_lengths() -> dict[str, np.ndarray]:
     return out
 
 
-REAL_STRATEGIES = [
-    ("random", dict(batch_size=8)),
-    ("max_length", dict(batch_size=8, max_length=4096)),
-    ("group_by_length", dict(batch_size=8)),
-    ("group_by_length", dict(batch_size=4)),
-    ("token_budget", dict(max_tokens=8192)),
-    ("token_budget", dict(max_tokens=4096)),
-    ("packed", dict(capacity=4096)),
-    ("packed", dict(capacity=2048, rows_per_batch=2)),
-]
+# Every registered strategy with the first option set its spec gives for examples of up to 4,096
+# tokens (longer ones are split), and those bounded by tokens (budgets, capacities) at 2,048 too.
+REAL_STRATEGIES = cases(4096, first_only=True) + cases(
+    2048, lambda spec: spec.micro_batch_limits().batch_size is None, first_only=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +179,7 @@ def test_real_lengths_every_step_within_two_percent(
         assert d.max_step_imbalance <= 1.02, (name, d.max_step_imbalance)
         # Balancing never exceeds the strategy's limits.
         for u in np.unique(d.assignment):
-            lens = plan.seg_lengths[d.micro_batch_segments(int(u))]
-            if strategy == "token_budget":
-                assert lens.size * lens.max() <= options["max_tokens"]
-            elif strategy == "packed":
-                assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
-            else:
-                bs = options["batch_size"]
-                assert lens.size <= bs + max(1, bs // 8)
+            check_limits(plan, d.micro_batch_segments(int(u)), options)
 
 
 def test_extra_steps_only_where_needed(real_lengths) -> None:

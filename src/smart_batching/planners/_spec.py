@@ -206,6 +206,20 @@ class PlannerSpec:
         return {}
 
     @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        """Option sets the contract tests run this strategy with (``tests/strategy_cases.py``), by a
+        short label, for data whose examples hold at most ``longest`` tokens: each should plan such
+        data with no overlong example (the tests add overlong policies themselves). Cover the options
+        that change how batches are formed (modes, windows, ``drop_last``, several rows per batch).
+
+        Default: the options the shared knobs give (:meth:`options_from`): batches of 4, budgets and
+        capacities of ``2 * longest`` tokens, ``max_length=longest``."""
+        knobs = Knobs(
+            batch_size=4, max_tokens=2 * longest, capacity=2 * longest, max_length=longest, longest=longest
+        )
+        return {"": cls.options_from(knobs)}
+
+    @classmethod
     def collator(cls, *, pad_token_id: int = 0, **options: Any) -> Callable:
         """The collator for this strategy's batches: packing when rows hold several examples, else
         right padding (``options`` go to the collator, e.g. ``pad_to_multiple_of=8``)."""

@@ -125,6 +125,15 @@ class GroupByLengthSpec(PlannerSpec):
     def options_from(cls, knobs: Knobs) -> dict[str, Any]:
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        return {
+            "": {"batch_size": 8},
+            "megabatch": {"batch_size": 4, "mode": "megabatch"},
+            "window": {"batch_size": 4, "window": 37},
+            "drop_last": {"batch_size": 5, "drop_last": True},
+        }
+
     def check_streamable(self) -> None:
         super().check_streamable()
         if self.generator == "torch":

@@ -50,6 +50,10 @@ class MaxLengthSpec(PlannerSpec):
             options["max_length"] = max(1, min(widths))
         return options
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        return {"": {"batch_size": 8, "max_length": longest}, "longest": {"batch_size": 3}}
+
     def fixed_width(self, longest: int) -> int | None:
         return self.max_length if self.max_length is not None else longest
 

@@ -120,6 +120,17 @@ class PackedSpec(PlannerSpec):
         given = knobs.given(capacity="capacity", overlong="overlong")
         return {**given, "rows_per_batch": 1} if knobs.capacity is not None else given
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        cap = max(longest, 1)
+        return {
+            "": {"capacity": cap},
+            "window": {"capacity": cap, "window": 37},
+            "bfd": {"capacity": cap, "algorithm": "bfd"},
+            "ffd": {"capacity": cap, "algorithm": "ffd"},
+            "fill,3 rows": {"capacity": cap, "algorithm": "fill", "rows_per_batch": 3},
+        }
+
     def token_limit(self) -> tuple[int | None, str]:
         return self.capacity, "capacity"
 

@@ -51,6 +51,10 @@ class RandomSpec(PlannerSpec):
     def options_from(cls, knobs: Knobs) -> dict[str, Any]:
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        return {"": {"batch_size": 8}, "drop_last": {"batch_size": 3, "drop_last": True}}
+
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
     ) -> Cut:

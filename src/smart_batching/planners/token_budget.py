@@ -118,6 +118,15 @@ class TokenBudgetSpec(PlannerSpec):
     def options_from(cls, knobs: Knobs) -> dict[str, Any]:
         return knobs.given(max_tokens="max_tokens", max_length="max_length", overlong="overlong")
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        budget = 2 * longest
+        return {
+            "": {"max_tokens": budget},
+            "multiple": {"max_tokens": budget, "batch_size_multiple": 4, "max_batch_size": 16},
+            "window": {"max_tokens": budget, "batch_size_multiple": 4, "window": 37},
+        }
+
     def token_limit(self) -> tuple[int | None, str]:
         if self.max_length is None:
             return self.max_tokens, "max_tokens"
