@@ -143,11 +143,6 @@ class MicroBatchLimits:
         return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
 
 
-UnitLimits = MicroBatchLimits
-"""The former name of :class:`MicroBatchLimits` ("unit" now means an example or document only,
-:mod:`smart_batching.units`); kept for ``distributed/_balance.py`` and ``_reform.py``."""
-
-
 class StreamingRounds:
     """Planning a stream's bounded buffer, a round at a time (:mod:`smart_batching.streaming`)."""
 

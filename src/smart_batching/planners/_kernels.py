@@ -165,9 +165,9 @@ def block_sources(blocks, bounds):  # pragma: no cover - compiled
 def copy_blocks(src, size, column):  # pragma: no cover - compiled
     """``column[src[0]:src[0]+size[0]]``, then the next chunk, and so on, into one new array.
 
-    Unsigned indices let LLVM vectorise the copy of each chunk (signed ones carry numba's negative-index
-    check), which lets the CPU keep many chunks' cache misses in flight: about 2.5x the speed of the
-    same loop on signed indices for chunks of 8 to 20 at 10M items.
+    Unsigned indices let LLVM vectorise the copy of each chunk (signed ones carry numba's
+    negative-index check): fewer instructions per chunk let the CPU keep many chunks' cache misses in
+    flight, which is what a gather of short chunks costs.
     """
     out = np.empty(size.sum(), dtype=column.dtype)
     p = np.uint64(0)

@@ -87,9 +87,8 @@ class StreamingBatcher:
         reserve: ``packed`` only: a round also keeps back the full rows it packed last (they hold the
             shortest examples, the best gap fillers for the next round) up to this fraction of the
             buffer's examples; None means 0.1. It matters most for short streams, whose last rounds
-            pack what is left (SGD, 12k examples, 10k buffer: 99.50 % fill with 0, 99.77 % with 0.1,
-            99.82 % with 0.25 = the global plan); each kept example is planned again, so 0.1 costs
-            about 1.2x the rounds of 0 and 0.25 about 1.5x.
+            pack what is left; each kept example is planned again, so a larger reserve costs more
+            rounds (``benchmarks/streaming.py`` measures both).
         progress: Show a tqdm bar with examples read and the running efficiency.
         empty_examples: Examples with no tokens, or (examples only) with no target token (every label
             ``-100``, an all-zero ``completion_mask`` / ``assistant_masks``): ``"skip"`` leaves them out as
