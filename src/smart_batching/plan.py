@@ -299,10 +299,9 @@ class Batches(NamedTuple):
         return values if self.order is None else values[self.order]
 
     def shapes(self, lengths: np.ndarray) -> BatchShapes:
-        """The :class:`BatchShapes` of the batches in plan order; ``lengths``: per segment of the table."""
+        """The :class:`BatchShapes` of the stored batches; ``lengths``: per segment of the table."""
         b = self.bounds
-        shapes = BatchShapes(np.diff(self.batch_offsets), self.width, self.positioned(lengths), b[:-1], b[1:])
-        return shapes if self.batch_order is None else shapes.reordered(self.batch_order)
+        return BatchShapes(np.diff(self.batch_offsets), self.width, self.positioned(lengths), b[:-1], b[1:])
 
     def laid_out(self) -> tuple[np.ndarray | None, Batches]:
         """``(order, batches)`` with ``batch_order`` applied: the positions in plan order (None when they
@@ -377,7 +376,6 @@ class BatchShapes:
         self.rows = rows
         self._width = width
         self._lengths, self._starts, self._ends = lengths, starts, ends
-        self._order: np.ndarray | None = None
         # Consecutive, non-empty batches (every plan's): a reduceat each, no copies.
         self._consecutive = bool(
             starts.shape[0]
@@ -386,28 +384,16 @@ class BatchShapes:
             and np.array_equal(starts[1:], ends[:-1])
         )
 
-    def reordered(self, order: np.ndarray) -> BatchShapes:
-        """The same batches taken in ``order`` (batch ``k`` is batch ``order[k]`` of these)."""
-        out = BatchShapes(
-            self.rows[order], None if self._width is None else self._width[order], _EMPTY, _EMPTY, _EMPTY
-        )
-        out._lengths, out._starts, out._ends, out._consecutive = (
-            self._lengths, self._starts, self._ends, self._consecutive,
-        )  # fmt: skip
-        out._order = order if self._order is None else self._order[order]
-        return out
-
     @cached_property
     def width(self) -> np.ndarray:
         return self.longest if self._width is None else self._width
 
     def _reduce(self, ufunc: np.ufunc) -> np.ndarray:
         if self._consecutive:
-            out = ufunc.reduceat(self._lengths[: int(self._ends[-1])], self._starts).astype(np.int64)
-        else:
-            sums, maxima = range_sums_and_maxima(self._lengths, self._starts, self._ends)
-            out = sums if ufunc is np.add else maxima
-        return out if self._order is None else out[self._order]
+            lengths = self._lengths[: int(self._ends[-1])]
+            return ufunc.reduceat(lengths, self._starts).astype(np.int64, copy=False)
+        sums, maxima = range_sums_and_maxima(self._lengths, self._starts, self._ends)
+        return sums if ufunc is np.add else maxima
 
     @cached_property
     def tokens(self) -> np.ndarray:
@@ -441,19 +427,30 @@ def lead_with_costliest(spec: Any, batches: Batches, lengths: np.ndarray) -> Bat
 
         batches   B0 B1 B2 B3 B4      costliest B3   ->   B3 B1 B2 B0 B4
 
-    The move is two entries of ``batch_order`` (O(1)); finding the batch is a sum and a maximum over
-    the segments. Whoever lays the plan out applies it (:meth:`Batches.laid_out`, or the planners'
-    compiled gather).
+    The move is two entries of ``batch_order`` (O(1)); finding the batch is a sum or a maximum over
+    the segments and a pass over the batch order. Whoever lays the plan out applies it
+    (:meth:`Batches.laid_out`, or the planners' compiled copy).
 
     Args:
         lengths: token lengths per segment of the table ``batches`` cuts.
     """
-    if batches.num_batches < 2:
+    n = batches.num_batches
+    if n < 2:
         return batches
-    k = costliest(spec, batches.shapes(lengths))
+    key, tie_break = (np.asarray(x) for x in spec.costliest_keys(batches.shapes(lengths)))
+    bo = batches.batch_order
+    if bo is None:
+        k = costliest_batch(key, tie_break)
+    else:
+        # Ranked on the stored batches; of the best, the first in plan order (as costliest_batch does).
+        best = np.flatnonzero(key == key.max())
+        best = best[tie_break[best] == tie_break[best].max()]
+        is_best = np.zeros(n, dtype=bool)
+        is_best[best] = True
+        k = int(np.argmax(is_best[bo]))
     if k <= 0:
         return batches
-    bo = np.arange(batches.num_batches) if batches.batch_order is None else batches.batch_order.copy()
+    bo = np.arange(n) if bo is None else bo.copy()
     bo[0], bo[k] = bo[k], bo[0]
     return batches._replace(batch_order=bo)
 
