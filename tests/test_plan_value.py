@@ -3,12 +3,15 @@ batch first as one function over it."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import pytest
+from strategy_cases import registered
 
 import smart_batching as sb
 from smart_batching.plan import Batches, Segments, lead_with_costliest
-from smart_batching.planners import PlanParts, register, unregister
+from smart_batching.planners import PlanParts, TokenBudgetSpec
 from smart_batching.planners._common import apply_overlong, lay_out
 
 
@@ -107,28 +110,27 @@ def test_a_swap_of_two_like_batches_is_done_in_place_unless_it_would_touch_the_i
     assert lengths.tolist() == [4, 1, 2, 8, 7, 3] and laid_table.length.tolist() == [2, 8, 4, 1, 7, 3]
 
 
+class _AsGivenSpec(TokenBudgetSpec):
+    """A token budget whose planner keeps the caller's lengths as its table (a test strategy)."""
+
+    name: ClassVar[str] = "test_as_given"
+
+
+def _plan_as_given(lengths, spec, rng):  # batches of 2 in dataset order, the costliest last
+    segments, counts = apply_overlong(lengths, None, "error", "max_length")
+    offsets = np.arange(0, lengths.shape[0] + 1, 2)
+    width = np.maximum.reduceat(lengths, offsets[:-1])
+    return PlanParts(segments, Batches(offsets, width), counts)
+
+
 def test_plan_batches_never_writes_the_lengths_it_is_given() -> None:
     """A strategy that keeps the caller's lengths as its table, costliest batch not first: the swap
     goes through a copy."""
-
-    def plan_as_given(lengths, spec, rng):  # batches of 2 in dataset order, the costliest last
-        segments, counts = apply_overlong(lengths, None, "error", "max_length")
-        offsets = np.arange(0, lengths.shape[0] + 1, 2)
-        width = np.maximum.reduceat(lengths, offsets[:-1])
-        return PlanParts(segments, Batches(offsets, width), counts)
-
-    spec_cls = sb.make_spec("token_budget").__class__
-    register(spec_cls, plan_as_given)
-    try:
+    with registered(_AsGivenSpec, _plan_as_given) as name:
         lengths = np.array([1, 2, 3, 4, 9, 9], dtype=np.int64)
-        plan = sb.plan_batches(lengths, "token_budget", max_tokens=100)
+        plan = sb.plan_batches(lengths, name, max_tokens=100)
         assert plan.to_lists() == [[4, 5], [2, 3], [0, 1]]
         assert lengths.tolist() == [1, 2, 3, 4, 9, 9]
-    finally:
-        from smart_batching.planners.token_budget import TokenBudgetSpec, plan_token_budget
-
-        unregister("token_budget")
-        register(TokenBudgetSpec, plan_token_budget)
 
 
 def test_segments_and_batches_views() -> None:

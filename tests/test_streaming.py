@@ -176,6 +176,7 @@ def _check_contract(
     seed=st.integers(0, 3),
 )
 def test_exactly_once_and_limits(name, options, lengths, buffer_size, kind, seed) -> None:
+    buffer_size = max(buffer_size, options.get("batch_size", 1))  # a buffer holds at least one batch
     b = StreamingBatcher(_source(lengths, kind, seed), name, buffer_size=buffer_size, seed=seed, **options)
     _check_contract(lengths, list(b), b, name, options)
 
