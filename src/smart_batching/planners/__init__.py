@@ -1,9 +1,12 @@
 """Batch planners: one module per strategy (its spec and its planner), registered by name.
 
-A planner maps ``(lengths, spec, rng)`` to the batches of one epoch; :func:`plan_batches` seeds the rng
-from ``(seed, epoch)`` and wraps the result in a :class:`~smart_batching.plan.BatchPlan`. Everything
-else the library needs to know of a strategy it asks the spec (:mod:`smart_batching.planners._spec`):
-no module outside ``planners/`` decides by a strategy's name.
+A planner maps ``(lengths, spec, rng)`` to the batches of one epoch, as the plan's one value
+(:class:`~smart_batching.plan.Segments` and :class:`~smart_batching.plan.Batches`, its shuffle of whole
+batches left pending); :func:`plan_batches` seeds the rng from ``(seed, epoch)``, puts the costliest
+batch first where the spec asks for it, lays the plan out once and wraps it in a
+:class:`~smart_batching.plan.BatchPlan`. Everything else the library needs to know of a strategy it
+asks the spec (:mod:`._spec`: what every strategy has; :mod:`._abilities`: what it may add): no module
+outside ``planners/`` decides by a strategy's name.
 
 =================  ==========================================================================
 name               what it does
