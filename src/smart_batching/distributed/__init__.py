@@ -14,8 +14,7 @@ module                job
 ``launch``            starting a module on several processes with torchrun
 ====================  ================================================================================
 
-``import smart_batching.distributed`` loads NumPy only; the torch modules load when imported. The old
-paths (``smart_batching.distributed_sampler``, ``smart_batching.even_steps``) still work.
+``import smart_batching.distributed`` loads NumPy only; the torch modules load when imported.
 """
 
 from smart_batching.distributed.distribute import (
