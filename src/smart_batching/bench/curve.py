@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smart_batching.errors import ConfigError
+from smart_batching.planners import BASELINE_STRATEGY
 
 AUTO_EVAL_COST = 0.10
 """Share of the training compute the ``"auto"`` cadence gives the evaluations (at most)."""
@@ -162,7 +163,7 @@ def time_to_target(curve: dict[str, Any] | None, target: float) -> dict[str, Any
 
 
 def default_targets(
-    records: Sequence[dict[str, Any]], baseline: str = "random"
+    records: Sequence[dict[str, Any]], baseline: str = BASELINE_STRATEGY
 ) -> dict[tuple[str, int], float]:
     """The default target of each run: the final held-out loss of ``baseline`` for the same bench and
     seed (keyed by ``(bench_id, seed)``)."""

@@ -302,7 +302,9 @@ def plot_time_to_quality(
         if len(runs) > 1:
             ax.fill_between(grid, low, high, color=colors[name], alpha=0.18, linewidth=0)
     if target is None:
-        finals = [(r.get("eval") or {}).get("loss") for r in groups.get("random", [])]
+        from smart_batching.planners import BASELINE_STRATEGY
+
+        finals = [(r.get("eval") or {}).get("loss") for r in groups.get(BASELINE_STRATEGY, [])]
         finals = [v for v in finals if v is not None]
         target = float(np.mean(finals)) if finals else None
     if target is not None:
