@@ -431,3 +431,60 @@ def test_apply_twice_removes_the_first_hooks(pairs):
     apply_smart_batching(trainer, "token_budget", target_logits_only=False)
     assert len(trainer.model._forward_pre_hooks) == hooks - 1
     assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"  # TRL's, restored
+
+
+# -- the example and the benchmark ---------------------------------------------------------------------
+
+
+def test_the_example_trains_with_packed_prompt_shared_rows():
+    summary = EX.main(["--steps", "4", "--pairs", "32"])
+    assert summary["trainer"] == "SmartBatchingDPOTrainer"
+    assert summary["attn_implementation"] == PREFIX_SHARED_ATTENTION and summary["prompt_sharing"]
+    assert np.isfinite(summary["train_loss"]) and summary["first_loss"] == pytest.approx(np.log(2), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_dpo_throughput_benchmark_smoke():
+    """The benchmark's records: every method trains the same pairs, and each one's first step equals TRL
+    alone's on the same pairs (loss and log-probabilities). Slow: TRL's fused LM head on CPU walks
+    SmolLM2's 49,152-token vocabulary at every scored position (over 2 minutes on 2 busy cores)."""
+    if not (ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl").is_file():
+        pytest.skip("../shared/data is absent")
+    spec = importlib.util.spec_from_file_location("dpo_throughput", ROOT / "benchmarks" / "dpo_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    records = bench.main(
+        ["--datasets", "gsm8k", "--pairs", "6", "--batch-size", "3", "--hidden", "32", "--layers", "1",
+         "--methods", "random", "packed", "packed+prompt_sharing", "--json"]
+    )  # fmt: skip
+    assert [r["strategy"] for r in records] == ["random", "packed", "packed+prompt_sharing"]
+    assert {r["pairs"] for r in records} == {6}
+    assert all(r["first_step_match"] for r in records)
+    assert records[2]["model_tokens"] < records[1]["model_tokens"]  # the prompts, once
+    assert records[0]["gradient_checkpointing"] is False and records[0]["dtype"] == "float32"
+
+
+def test_with_smart_batching_of_the_dpo_trainer_class(pairs):
+    """The library's own API: a DPOTrainer subclass that takes the strategy as constructor arguments."""
+    import copy
+    import tempfile
+
+    from trl import DPOConfig, DPOTrainer
+
+    from smart_batching.hf import with_smart_batching
+
+    cls = with_smart_batching(DPOTrainer)
+    assert cls.__name__ == "SmartBatchingDPOTrainer" and with_smart_batching(cls) is cls
+    tokenizer = EX.word_tokenizer()
+    model = EX.tiny_llama(len(tokenizer))
+    config = DPOConfig(
+        output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, gradient_checkpointing=False, bf16=False,
+        max_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = cls(
+        model=model, ref_model=copy.deepcopy(model), args=config, train_dataset=pairs, processing_class=tokenizer,
+        strategy="packed", strategy_options={"capacity": 256}, prompt_sharing=False,
+    )  # fmt: skip
+    assert trainer.smart_batching.layout == "packed" and trainer.smart_batching.spec.capacity == 256
+    trainer.train()
+    assert trainer.state.global_step == 1

