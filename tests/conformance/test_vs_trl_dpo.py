@@ -5,10 +5,10 @@ equal TRL alone's, for each ``loss_type`` TRL 1.16 offers, under ``group_by_leng
 and ``packed`` (prompt shared, and not). Each row of :data:`smart_batching.hf.dpo_upstream.DPO_OPTIONS`
 is held by a test here (:data:`ROW_TESTS`).
 
-Upstream: TRL ``trl/trainer/dpo_trainer.py`` (``DataCollatorForPreference``, ``_compute_loss``,
-``compute_ref_log_probs``, ``_precompute_ref_logps``); the cases follow ``tests/test_dpo_trainer.py``
-(``test_train_loss_types``, ``test_train_with_precompute_ref_log_probs``, ``test_train_with_ld_alpha``,
-``test_train_with_wpo``, ``test_train_with_f_divergence``, ``test_train_with_sync_ref_model``).
+Upstream: TRL 1.16 ``trl/trainer/dpo_trainer.py`` (``DataCollatorForPreference``, ``_compute_loss``,
+``compute_ref_log_probs``, ``_precompute_ref_logps``) and ``trl/trainer/dpo_config.py`` (the cases are
+its options: every ``loss_type``, ``loss_weights``, ``ld_alpha``, ``use_weighting``, ``f_divergence_type``,
+``precompute_ref_log_probs``, ``sync_ref_model``, ``max_length`` / ``truncation_mode``, ...).
 
 Two trainers are built on identical tiny Llamas (the policy nudged away from its reference, so that
 rewards are not all zero): one alone, one with smart batching. Our first planned micro-batch is collated
