@@ -180,7 +180,7 @@ def strategy_of(
     if method == "token_budget":
         c = costs["padded"]
         return method, {"max_tokens": int(max(batch_size * c.mean(), c.max()))}
-    layout = "shared" if method == "packed+prompt_sharing" else "packed"
+    layout = "shared" if method == "packed+prompt_sharing" else "unshared"
     c = costs[layout]
     return "packed", {
         "capacity": int(max(batch_size * c.mean(), c.max())),
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lengths = dataset_pair_lengths(
             prepared, max_length=1024, columns=("prompt_ids", "chosen_ids", "rejected_ids")
         )
-        costs = {layout: lengths.costs(layout) for layout in ("padded", "packed", "shared")}
+        costs = {layout: lengths.costs(layout) for layout in ("padded", "unshared", "shared")}
         # Warm-up (allocator, kernels) on two steps that are not timed.
         warm = make_trainer(data, copy.deepcopy(base), tokenizer, batch_size=args.batch_size, max_steps=2)
         apply_smart_batching(warm, "random", batch_size=args.batch_size)

@@ -81,7 +81,7 @@ def test_pair_lengths_golden(max_length, mode, chosen, rejected, shared):
     assert lengths.shared.tolist() == shared
     c, r, s = np.array(chosen), np.array(rejected), np.array(shared)
     assert lengths.costs("padded").tolist() == (2 * np.maximum(c, r)).tolist()
-    assert lengths.costs("packed").tolist() == (c + r).tolist()
+    assert lengths.costs("unshared").tolist() == (c + r).tolist()
     assert lengths.costs("shared").tolist() == (c + r - s).tolist()
 
 
@@ -108,7 +108,7 @@ def test_dataset_pair_lengths_read_arrow_offsets(pairs):
 # -- the packed row ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["shared", "packed"])
+@pytest.mark.parametrize("layout", ["shared", "unshared"])
 @pytest.mark.parametrize(("max_length", "mode"), [(None, "keep_start"), (12, "keep_start"), (12, "keep_end")])
 def test_every_target_is_predicted_from_its_own_token_at_its_own_position(pairs, layout, max_length, mode):
     """For each target of TRL's padded view (row r, column j + 1), the row position ``source`` names holds
@@ -130,7 +130,7 @@ def test_every_target_is_predicted_from_its_own_token_at_its_own_position(pairs,
     assert row["input_ids"].shape[1] == int(lengths.costs(layout).sum())
     if layout == "shared":
         assert row["shared_prefix_lengths"].sum() == row["input_ids"].shape[1]
-        assert row["input_ids"].shape[1] < int(lengths.costs("packed").sum())  # the prompts, once
+        assert row["input_ids"].shape[1] < int(lengths.costs("unshared").sum())  # the prompts, once
 
 
 def test_pair_collator_refuses_bad_settings():
@@ -256,7 +256,7 @@ def test_packed_pair_log_probs_equal_the_padded_ones(family, prompt_sharing):
     with torch.no_grad():
         expected = pair_log_probs(model, padded)
         prepare_pair_model(model, prompt_sharing=prompt_sharing)
-        layout = "shared" if prompt_sharing else "packed"
+        layout = "shared" if prompt_sharing else "unshared"
         got = pair_log_probs(model, PairCollator(pad_token_id=0, layout=layout)(examples))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
@@ -485,6 +485,6 @@ def test_with_smart_batching_of_the_dpo_trainer_class(pairs):
         model=model, ref_model=copy.deepcopy(model), args=config, train_dataset=pairs, processing_class=tokenizer,
         strategy="packed", strategy_options={"capacity": 256}, prompt_sharing=False,
     )  # fmt: skip
-    assert trainer.smart_batching.layout == "packed" and trainer.smart_batching.spec.capacity == 256
+    assert trainer.smart_batching.layout == "unshared" and trainer.smart_batching.spec.capacity == 256
     trainer.train()
     assert trainer.state.global_step == 1

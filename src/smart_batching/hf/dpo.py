@@ -80,10 +80,10 @@ class DPOSmartBatchingState(SmartBatchingState):
 
     @property
     def layout(self) -> str:
-        """``"shared"``, ``"packed"`` or ``"padded"``: how a pair lies in a batch."""
+        """``"shared"``, ``"unshared"`` or ``"padded"``: how a pair lies in a batch."""
         if not self.spec.packs_rows:
             return "padded"
-        return "shared" if self.prompt_sharing else "packed"
+        return "shared" if self.prompt_sharing else "unshared"
 
 
 class DPOSmartBatchingMixin(SmartBatchingMixin):
@@ -326,7 +326,7 @@ def apply_dpo_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **o
 
 def preference_dataloader(
     dataset: Any,
-    strategy: Any = "packed",
+    strategy: Any = DEFAULT_STRATEGY,
     *,
     prompt_sharing: bool = True,
     max_length: int | None = None,
@@ -362,7 +362,7 @@ def preference_dataloader(
     spec_fields = {f.name for f in fields(cls)}
     plan_options = {k: v for k, v in options.items() if k in spec_fields}
     loader_options = {k: v for k, v in options.items() if k not in spec_fields}
-    layout = ("shared" if prompt_sharing else "packed") if cls.packs_rows else "padded"
+    layout = ("shared" if prompt_sharing else "unshared") if cls.packs_rows else "padded"
     costs = dataset_pair_lengths(
         dataset, max_length=max_length, truncation_mode=truncation_mode, columns=columns[:3]
     ).costs(layout)

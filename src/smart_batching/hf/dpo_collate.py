@@ -10,13 +10,13 @@ costs depends on the layout (:meth:`PairLengths.costs`).
 :class:`PairCollator` puts the pairs of a batch end to end in one padding-free row. In the
 ``"shared"`` layout (prompt sharing) each pair is laid out as prompt, chosen, rejected, the rejected
 tokens continuing the prompt's positions (:mod:`smart_batching.attention.prefix_sharing` draws the
-mask); in the ``"packed"`` layout each pair is its two sequences, two packed segments::
+mask); in the ``"unshared"`` layout each pair is its two sequences, two packed segments::
 
     pair (prompt p0 p1, chosen c0 c1, rejected r0)
 
     "shared"   input_ids  p0 p1 c0 c1 r0        shared_prefix_lengths [[2, 2, 1]]
                positions  0  1  2  3  2
-    "packed"   input_ids  p0 p1 c0 c1 p0 p1 r0  cu_seq_lens_q [0, 4, 7]
+    "unshared" input_ids  p0 p1 c0 c1 p0 p1 r0  cu_seq_lens_q [0, 4, 7]
                positions  0  1  2  3  0  1  2
 
 Beside the row, the batch carries TRL's own padded view (``input_ids``, ``attention_mask``,
@@ -40,7 +40,7 @@ from smart_batching.errors import ConfigError, DataError
 PACKED_PAIRS = "packed_pairs"
 """Batch key of the packed row (a dict of tensors) that the model hooks run instead of the padded view."""
 
-LAYOUTS = ("padded", "packed", "shared")
+LAYOUTS = ("padded", "unshared", "shared")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
@@ -66,12 +66,12 @@ class PairLengths:
         """Tokens a pair occupies, ``(num_pairs,)`` int64: the lengths the planners plan with.
 
         ``"padded"``: ``2 * max(chosen, rejected)`` (two rows, as wide as the longer sequence);
-        ``"packed"``: ``chosen + rejected`` (both sequences, the prompt twice); ``"shared"``:
+        ``"unshared"``: ``chosen + rejected`` (both sequences in a row, the prompt twice); ``"shared"``:
         ``chosen + rejected - shared`` (the prompt once).
         """
         if layout == "padded":
             return 2 * np.maximum(self.chosen, self.rejected)
-        if layout == "packed":
+        if layout == "unshared":
             return self.chosen + self.rejected
         if layout == "shared":
             return self.chosen + self.rejected - self.shared
@@ -147,7 +147,7 @@ class PairCollator:
 
     Args:
         pad_token_id: Written into the padding of the padded view (as TRL's collator does).
-        layout: ``"shared"`` (one row, one prompt per pair shared by both completions), ``"packed"`` (one
+        layout: ``"shared"`` (one row, one prompt per pair shared by both completions), ``"unshared"`` (one
             row, each pair as its two sequences) or ``"padded"`` (TRL's padded batch only).
         max_length: Truncate each ``prompt + completion`` sequence to this many tokens (TRL's
             ``DPOConfig.max_length``); None keeps all.
@@ -164,7 +164,7 @@ class PairCollator:
         position whose hidden state predicts each target of the padded view, in row-major order of
         ``completion_mask[:, 1:]``), and the attention layout: ``shared_prefix_lengths`` (``(pairs, 3)``
         int32: shared prompt, chosen and rejected tokens) for ``"shared"``, ``cu_seq_lens_q`` /
-        ``cu_seq_lens_k`` and ``max_length_q`` / ``max_length_k`` for ``"packed"``.
+        ``cu_seq_lens_k`` and ``max_length_q`` / ``max_length_k`` for ``"unshared"``.
     """
 
     def __init__(

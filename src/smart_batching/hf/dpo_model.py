@@ -147,7 +147,7 @@ def check_pair_layout(model: Any, *, prompt_sharing: bool) -> None:
     vocab = int(getattr(config, "vocab_size", 0) or 16)
     ids = [t % vocab for t in (5, 6, 7, 8, 9, 10, 11, 12)]
     pair = {"prompt_ids": ids[:3], "chosen_ids": ids[3:5], "rejected_ids": ids[5:]}
-    batch = PairCollator(pad_token_id=0, layout="shared" if prompt_sharing else "packed")([pair])
+    batch = PairCollator(pad_token_id=0, layout="shared" if prompt_sharing else "unshared")([pair])
     packed = batch[PACKED_PAIRS]
     backbone = compat.trl_backbone(model)
     device = next(model.parameters()).device
