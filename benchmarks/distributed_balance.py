@@ -182,7 +182,7 @@ def ours(lengths, world, accum, strategy, cost="tokens", **options):
     d = distribute(plan, world, accum_steps=accum, cost=cost)
     secs = time.perf_counter() - t
     ranks = [
-        [d.unit_examples(u) if u >= 0 else np.zeros(0, np.int64) for u in d.rank_units(r)]
+        [d.micro_batch_examples(u) if u >= 0 else np.zeros(0, np.int64) for u in d.rank_micro_batches(r)]
         for r in range(world)
     ]
     # Truncated examples count their kept tokens only.
@@ -370,10 +370,10 @@ def example_bound(d: Any) -> float:
     """Max over steps of ``world_size × costliest segment / step cost`` (at least 1.0): a rank holding
     that segment costs at least as much, so no deal of that step can be more even."""
     from smart_batching.distributed._reform import unit_max_costs
-    from smart_batching.distributed.plan import _segment_costs
+    from smart_batching.distributed.distribute import _segment_costs
 
     seg_cost = _segment_costs(d.base, d.cost)
-    unit_max = unit_max_costs(seg_cost, d.segment_order, d.unit_start, d.unit_end)
+    unit_max = unit_max_costs(seg_cost, d.segment_order, d.micro_batch_start, d.micro_batch_end)
     a = d.assignment.reshape(d.num_steps, -1)
     biggest = np.where(a >= 0, unit_max[np.maximum(a, 0)], 0).max(axis=1)  # (num_steps,)
     total = d.rank_cost.sum(axis=1)

@@ -138,6 +138,16 @@ def test_keeping_the_first_layers_gives_a_model_of_that_depth(llama):
     assert out.shape == (1, 7)
 
 
+def test_lr_scheduler_types_are_what_training_arguments_takes(tmp_path):
+    from transformers import TrainingArguments
+
+    names = compat.lr_scheduler_types()
+    assert {"constant", "linear", "cosine"} <= set(names)
+    for name in names[:3]:
+        args = TrainingArguments(output_dir=str(tmp_path), lr_scheduler_type=name, use_cpu=True, report_to=[])
+        assert args.lr_scheduler_type == name
+
+
 def test_causal_lm_class_names_include_llama():
     names = compat.causal_lm_class_names()
     assert "LlamaForCausalLM" in names and "BertModel" not in names
@@ -258,6 +268,48 @@ def test_trl_sft_trainer_metric_attributes_and_plain_nll(tmp_path):
     assert compat.trl_sft_loss_is_plain_nll(plain)
     assert not compat.trl_sft_loss_is_plain_nll(trainer(loss_type="dft"))
     assert not compat.is_trl_sft_trainer(object())
+
+
+def test_trl_dpo_trainer_columns_collator_and_fused_head(tmp_path):
+    """What smart batching reads of TRL's DPOTrainer: the prepared columns (and the precomputed reference
+    columns), the trainer's attributes, its collator, the fused LM head that takes pre-shifted labels and
+    runs the backbone at ``base_model``, and the per-token fields it returns."""
+    trl = pytest.importorskip("trl")
+    import copy
+    from pathlib import Path
+
+    import datasets
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl_sft.py"
+    spec = importlib.util.spec_from_file_location("trl_sft_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tok = example.word_tokenizer()
+    model = example.tiny_llama(len(tok))
+    assert not compat.trl_fused_lm_head_takes_shift_labels(model)
+    data = datasets.Dataset.from_dict({"prompt": ["w1 w2"], "chosen": [" w3"], "rejected": [" w4 w5"]})
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, gradient_checkpointing=False, bf16=False,
+        precompute_ref_log_probs=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.DPOTrainer(
+        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data, processing_class=tok
+    )
+    assert compat.is_trl_dpo_trainer(trainer) and compat.is_trl_dpo_trainer(type(trainer))
+    assert not compat.is_trl_dpo_trainer(object()) and not compat.is_trl_dpo_trainer(trl.SFTTrainer)
+    assert compat.missing_trl_dpo_attributes(trainer) == [], "TRL's DPOTrainer attributes moved"
+    assert set(compat.TRL_DPO_COLUMNS) <= set(trainer.train_dataset.column_names)
+    assert compat.is_trl_preference_collator(trainer.data_collator)
+    assert not compat.is_trl_preference_collator(lambda f: f)
+    assert compat.trl_fused_lm_head_takes_shift_labels(trainer.model)
+    assert compat.trl_backbone(trainer.model) is trainer.model.model
+    assert not compat.is_peft_model(trainer.model)
+    # Pre-shifted labels are scored at every position of the backbone's output.
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = trainer.model(input_ids=ids, shift_labels=torch.tensor([[6, 7, 8, 9]]), fused_lm_head=True)
+    assert out.log_probs.shape == (1, 4)
+    for name in compat.TRL_FUSED_LM_HEAD_FIELDS:
+        assert hasattr(out, name), f"TRL's FusedCausalLMOutput has no {name}"
 
 
 def test_a_broken_check_raises_a_config_error_naming_the_version(monkeypatch):

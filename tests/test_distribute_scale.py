@@ -15,7 +15,7 @@ import pytest
 import smart_batching as sb
 from smart_batching.distributed import distribute
 from smart_batching.distributed._balance import (
-    UnitLimits,
+    MicroBatchLimits,
     _deal,
     argsort_descending,
     gather_segments,
@@ -50,9 +50,9 @@ def check(plan: sb.BatchPlan, world_size: int, accum: int, seed: int = 0) -> flo
     assert d.num_empty_slots == 0
     assert d.num_steps <= -(-len(plan) // (world_size * accum))  # no step added
     units = d.assignment.reshape(-1)
-    segments = gather_segments(d.segment_order, d.unit_start, d.unit_end, units)
+    segments = gather_segments(d.segment_order, d.micro_batch_start, d.micro_batch_end, units)
     np.testing.assert_array_equal(np.sort(plan.example_ids[segments]), np.sort(plan.example_ids))  # once
-    sizes = d.unit_end[units] - d.unit_start[units]
+    sizes = d.micro_batch_end[units] - d.micro_batch_start[units]
     tokens = np.add.reduceat(plan.seg_lengths[segments], np.cumsum(sizes) - sizes)
     assert tokens.max() <= CAPACITY
     return d.max_step_imbalance
@@ -91,7 +91,7 @@ def test_mix_steps_evens_a_coarse_tail_with_fine_donors() -> None:
     segs = np.arange(lengths.shape[0])
     # The coarse step: 64 micro-batches of one segment each; the donor: the short ones, 6 or 7 each.
     unit_sizes = np.concatenate([np.ones(64, dtype=np.int64), [len(p) for p in np.array_split(shorts, 64)]])
-    limits = UnitLimits(CAPACITY, 1, None, None)
+    limits = MicroBatchLimits(CAPACITY, 1, None, None)
     found = mix_steps(segs, unit_sizes, lengths, lengths, 2, 16, 4, limits)
     assert found is not None
     imbalance, order, mb_of = found
@@ -154,7 +154,7 @@ def test_deal_parks_full_ranks_and_chooses_as_before(seed: int) -> None:
     lengths = np.concatenate([rng.integers(2049, 4097, 40), rng.integers(1, 600, 60)]).astype(np.int64)
     order = np.argsort(-lengths, kind="stable")
     num_ranks, per_rank = int(rng.integers(2, 9)), int(rng.integers(1, 4))
-    got = _deal(order, lengths, lengths, num_ranks, per_rank, UnitLimits(CAPACITY, 1, None, None))
+    got = _deal(order, lengths, lengths, num_ranks, per_rank, MicroBatchLimits(CAPACITY, 1, None, None))
     want = _reference_deal(order, lengths, lengths, num_ranks, per_rank, CAPACITY)
     if want is None:
         assert np.all(got == -1)
@@ -221,7 +221,7 @@ def test_mix_steps_forms_partners_for_examples_that_fill_a_budget_alone() -> Non
     lengths = np.concatenate([longs, shorts]).astype(np.int64)
     segs = np.arange(lengths.shape[0])
     unit_sizes = np.concatenate([[1, 1], [len(p) for p in np.array_split(shorts, 6)]])  # 8 units
-    limits = UnitLimits(None, 1, 8192, None)
+    limits = MicroBatchLimits(None, 1, 8192, None)
     found = mix_steps(segs, unit_sizes, lengths, lengths, 2, 4, 1, limits)
     assert found is not None
     imbalance, order, mb_of = found

@@ -1,8 +1,8 @@
 """Every upstream detail the library depends on (transformers, accelerate, TRL), read in one place.
 
-Names, signatures and private hooks of the HF stack move between releases: transformers 5.24 renamed the
-model's ``past_key_values`` argument to ``cache``, and a decoding path that tested the signature for the
-old name silently fell back to ``model.generate``. Each such detail is one small function here, with a
+Names, signatures and private hooks of the HF stack move between releases (the model's KV-cache argument
+is ``cache`` from transformers 5.24 on and ``past_key_values`` before it; a decoding path that tests the
+signature for one name only would silently take the slow path on the other). Each such detail is one small function here, with a
 test of its own in ``tests/test_compat.py`` that runs it on the installed upstream: when upstream moves,
 that test fails and names what moved, and this module is the one place to change.
 
@@ -19,6 +19,7 @@ attention registries                      :func:`register_attention`, :func:`reg
 SDPA kernel and mask builder              :func:`sdpa_attention_forward`, :func:`sdpa_mask`
 switching attention on a loaded model     :func:`set_attn_implementation`, :func:`can_set_attn_implementation`
 causal-LM classes                         :func:`causal_lm_class_names`
+learning-rate schedule names              :func:`lr_scheduler_types`
 a decoder's layer stack                   :func:`keep_first_layers`
 Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
                                           :data:`TRAINER_ATTRIBUTES`
@@ -28,6 +29,10 @@ Trainer's column removal                  :func:`remove_unused_columns`
 TRL's fused LM head (``SFTTrainer``)      :func:`has_trl_fused_lm_head`
 TRL ``SFTTrainer``'s loss and metrics     :func:`is_trl_sft_trainer`, :func:`trl_sft_loss_is_plain_nll`,
                                           :func:`log_trl_sft_metrics`
+TRL ``DPOTrainer``: columns, collator,    :data:`TRL_DPO_COLUMNS`, :func:`is_trl_dpo_trainer`,
+fused log-prob head, PEFT                 :func:`is_trl_preference_collator`, :data:`TRL_FUSED_LM_HEAD_FIELDS`,
+                                          :func:`trl_fused_lm_head_takes_shift_labels`,
+                                          :func:`trl_backbone`, :func:`is_peft_model`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
@@ -158,6 +163,14 @@ def keep_first_layers(model: Any, k: int) -> None:
 
 
 @functools.cache
+@functools.cache
+def lr_scheduler_types() -> tuple[str, ...]:
+    """The ``lr_scheduler_type`` names ``TrainingArguments`` takes (``"linear"``, ``"cosine"``, ...)."""
+    from transformers.trainer_utils import SchedulerType
+
+    return tuple(s.value for s in SchedulerType)
+
+
 def causal_lm_class_names() -> frozenset[str]:
     """Class names of every causal LM that transformers' ``AutoModelForCausalLM`` maps to."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -504,3 +517,72 @@ def vllm_generate(
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     cached = [int(getattr(o, "num_cached_tokens", None) or 0) for o in outs]
     return tokens, cached
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL's DPOTrainer (1.16)
+# --------------------------------------------------------------------------------------------------
+
+TRL_DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
+"""Columns of a dataset ``DPOTrainer`` prepared: the pair's token ids, then the reference log-probabilities
+``precompute_ref_log_probs=True`` adds."""
+
+TRL_DPO_ATTRIBUTES = (
+    "ref_model",
+    "precompute_ref_logps",
+    "aux_loss_enabled",
+    "_is_vision_dataset",
+    "_metrics",
+)
+"""``DPOTrainer`` attributes smart batching reads."""
+
+TRL_FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""Per-token fields of TRL's ``FusedCausalLMOutput`` (``(rows, positions)``, 0 where the label is -100)."""
+
+
+def is_trl_dpo_trainer(trainer: Any) -> bool:
+    """``trainer`` is TRL's ``DPOTrainer``, a subclass or an instance of one; TRL is not imported if it is
+    not loaded."""
+    import sys
+
+    trl = sys.modules.get("trl")
+    dpo = getattr(trl, "DPOTrainer", None) if trl is not None else None
+    if dpo is None:
+        return False
+    return issubclass(trainer, dpo) if isinstance(trainer, type) else isinstance(trainer, dpo)
+
+
+def missing_trl_dpo_attributes(trainer: Any) -> list[str]:
+    """The :data:`TRL_DPO_ATTRIBUTES` a ``DPOTrainer`` instance lacks (none on TRL 1.16)."""
+    return [a for a in TRL_DPO_ATTRIBUTES if not hasattr(trainer, a)]
+
+
+def is_trl_preference_collator(collator: Any) -> bool:
+    """``collator`` is TRL's text ``DataCollatorForPreference`` (the one ``DPOTrainer`` builds)."""
+    cls = type(collator)
+    return cls.__name__ == "DataCollatorForPreference" and cls.__module__.startswith("trl.")
+
+
+def trl_fused_lm_head_takes_shift_labels(model: Any) -> bool:
+    """TRL's fused LM head (``add_fused_lm_head``) on ``model`` scores pre-shifted ``shift_labels`` at
+    every position of the backbone's output (TRL >= 1.13), which is how smart batching hands it only
+    the target positions."""
+    for forward in (getattr(model, "forward", None), vars(model).get("_original_forward")):
+        func = getattr(forward, "__func__", forward)
+        code = getattr(func, "__code__", None)
+        if code is not None:
+            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+            if "fused_lm_head" in names:
+                return "shift_labels" in names
+    return False
+
+
+def trl_backbone(model: Any) -> Any:
+    """The module TRL's fused LM head runs before projecting (``model.base_model`` on transformers 5),
+    whose ``last_hidden_state`` it scores."""
+    return model.base_model
+
+
+def is_peft_model(model: Any) -> bool:
+    """A PEFT-wrapped model (``peft_config`` attribute), without importing PEFT."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")

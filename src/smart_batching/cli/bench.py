@@ -130,6 +130,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="held-out examples for eval loss (default: 64)",
     )
     e.add_argument(
+        "--eval-every", default=None, metavar="N|Ntok|auto",
+        help="held-out loss during training: every N optimizer steps, every N real training tokens "
+        "('20000tok') or 'auto' (about a tenth of the training compute); evaluation time is kept out of "
+        "the training clock (default: off, the initial and final evaluations only)",
+    )  # fmt: skip
+    e.add_argument(
+        "--target", type=positive_float, default=None, metavar="LOSS",
+        help="held-out loss for time to target (default: random's final held-out loss, same seed)",
+    )  # fmt: skip
+    e.add_argument(
         "--num-generations", type=non_negative_int, default=None, metavar="N",
         help="held-out prompts to generate for (default: 16 for GSM8K, 4 otherwise, 8 predictions for classification)",
     )  # fmt: skip
@@ -161,6 +171,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from smart_batching.bench.config import BenchConfig
     from smart_batching.bench.report import summary_table
     from smart_batching.bench.runner import RECORDS_NAME, run_bench
     from smart_batching.planners import split_strategies
@@ -172,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
         def emit(record: dict[str, Any]) -> None:
             print(json.dumps(record, ensure_ascii=False), flush=True)
 
-    records = run_bench(
-        args.data,
+    config = BenchConfig(
+        data=args.data,
         model=args.model,
         tokenizer=args.tokenizer,
         strategies=strategies,
@@ -188,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         eval_data=args.eval_data,
         eval_examples=args.eval_examples,
+        eval_every=args.eval_every,
+        target=args.target,
         num_generations=args.num_generations,
         max_new_tokens=args.max_new_tokens,
         out_dir=args.out,
@@ -198,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         on_record=emit,
     )
+    records = run_bench(config)
     out = Path(args.out)
     stream = sys.stderr if args.json else sys.stdout
     if not records:

@@ -40,7 +40,7 @@ def _find(parent, i):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True, inline="always")
 def _headroom(rows, tokens, longest, unit_tokens, max_tokens, max_rows, power):  # pragma: no cover
     """Most cost a micro-batch could still take in segments no longer than its longest one
-    (:meth:`UnitLimits.headroom`): unbounded when empty or without a limit or a known cost."""
+    (:meth:`MicroBatchLimits.headroom`): unbounded when empty or without a limit or a known cost."""
     if rows == 0 or power == 0:
         return _UNBOUNDED
     if unit_tokens >= 0:

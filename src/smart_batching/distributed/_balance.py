@@ -2,7 +2,7 @@
 
 - :func:`repartition_step` deals a step's segments again, costliest first to the least-loaded rank;
   :func:`balance_step` moves or swaps single segments between its heaviest and lightest rank.
-- :class:`~smart_batching.planners.UnitLimits`: what a micro-batch may hold after balancing, as the
+- :class:`~smart_batching.planners.MicroBatchLimits`: what a micro-batch may hold after balancing, as the
   strategy's spec says (``spec.unit_limits()``).
 - Steps these leave uneven are formed again by :mod:`._reform`.
 
@@ -22,7 +22,7 @@ from smart_batching.distributed._tuning import (
     BALANCE_TOLERANCE,  # noqa: F401 (re-exported)
     TAIL_POOL_STEPS,
 )
-from smart_batching.planners import UnitLimits
+from smart_batching.planners import MicroBatchLimits
 
 
 def argsort_descending(values: np.ndarray) -> np.ndarray:
@@ -174,7 +174,7 @@ def halve_units(
 
 
 def lpt_pieces(
-    segs: np.ndarray, seg_cost: np.ndarray, seg_len: np.ndarray, num_pieces: int, limits: UnitLimits
+    segs: np.ndarray, seg_cost: np.ndarray, seg_len: np.ndarray, num_pieces: int, limits: MicroBatchLimits
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Deal segments, costliest first, each to the cheapest piece that can take it (ties: the lowest
     piece index); None if one fits nowhere. Compiled, with a heap over (load, piece): O(s log pieces)
@@ -226,7 +226,7 @@ def _sift_up(heap, i, load):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True, inline="always")
 def _room(rows, tokens, longest, max_unit_tokens, max_tokens, max_rows):  # pragma: no cover - compiled
-    """Longest segment a micro-batch still admits (:meth:`UnitLimits.admits` is monotone in the
+    """Longest segment a micro-batch still admits (:meth:`MicroBatchLimits.admits` is monotone in the
     length: it admits exactly the segments no longer than this); -1: none; -1 limits are absent."""
     if max_unit_tokens >= 0:
         return max_unit_tokens - tokens
@@ -246,7 +246,7 @@ def _lpt_deal(
 ):  # pragma: no cover
     """Micro-batch (``rank * per_rank + slot``) of each segment of ``order`` (costliest first): the
     first rank in (load, index) order, and in it the first micro-batch in (load, slot) order, whose
-    limits admit the segment, as :meth:`UnitLimits.admits` (-1: no limit). All -1 when a segment fits
+    limits admit the segment, as :meth:`MicroBatchLimits.admits` (-1: no limit). All -1 when a segment fits
     nowhere.
 
     Ranks sit in a heap by load; a rank too full for the segment at hand is parked in a second heap,
@@ -331,7 +331,7 @@ def _deal(
     seg_len: np.ndarray,
     num_ranks: int,
     per_rank: int,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
 ) -> np.ndarray:
     return _lpt_deal(
         order,
@@ -339,7 +339,7 @@ def _deal(
         seg_len.astype(np.int64, copy=False),
         num_ranks,
         per_rank,
-        -1 if limits.capacity is None else limits.capacity * limits.rows_per_unit,
+        -1 if limits.capacity is None else limits.capacity * limits.rows_per_micro_batch,
         -1 if limits.max_tokens is None else limits.max_tokens,
         -1 if limits.max_rows is None else limits.max_rows,
     )
@@ -364,7 +364,7 @@ def repartition_step(
     members: dict[int, list[int]],
     seg_cost: np.ndarray,
     seg_len: np.ndarray,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
 ) -> bool:
     """Pool the step's segments and deal them again, costliest first, to the least-loaded rank (and its
     least-loaded micro-batch) that can take them. Kept only when it is more even and leaves no
@@ -393,7 +393,7 @@ def _repartition_ragged(
     members: dict[int, list[int]],
     seg_cost: np.ndarray,
     seg_len: np.ndarray,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
     units_of: list[list[int]],
     pool: np.ndarray,
 ) -> bool:
@@ -434,7 +434,7 @@ def balance_step(
     members: dict[int, list[int]],
     seg_cost: np.ndarray,
     seg_len: np.ndarray,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
     rounds: int,
 ) -> bool:
     """Even out one step in place: move a segment from the heaviest rank to the lightest, or swap the

@@ -29,7 +29,13 @@ import numpy as np
 from numba import njit
 
 from smart_batching.distributed._anchor import anchored_steps
-from smart_batching.distributed._balance import UnitLimits, _deal, _sift_down, gather_segments, rank_costs
+from smart_batching.distributed._balance import (
+    MicroBatchLimits,
+    _deal,
+    _sift_down,
+    gather_segments,
+    rank_costs,
+)
 from smart_batching.distributed._tuning import (
     FILL_TOLERANCE,
     MAX_MIX_DONORS,
@@ -44,7 +50,7 @@ from smart_batching.distributed._tuning import (
 
 @njit(cache=True, nogil=True, inline="always")
 def _admits(rows, tokens, longest, unit_tokens, max_tokens, max_rows):  # pragma: no cover - compiled
-    """:meth:`UnitLimits.admits` (no slack-free ``planned`` mode); -1: no such limit."""
+    """:meth:`MicroBatchLimits.admits` (no slack-free ``planned`` mode); -1: no such limit."""
     if unit_tokens >= 0:
         return tokens <= unit_tokens
     if max_rows >= 0 and rows > max_rows:
@@ -301,9 +307,9 @@ def _deal_units(unit_cost, num_loads, per_load):  # pragma: no cover - compiled
     return slot_of
 
 
-def _limit_args(limits: UnitLimits) -> tuple[int, int, int]:
+def _limit_args(limits: MicroBatchLimits) -> tuple[int, int, int]:
     return (
-        -1 if limits.capacity is None else limits.capacity * limits.rows_per_unit,
+        -1 if limits.capacity is None else limits.capacity * limits.rows_per_micro_batch,
         -1 if limits.max_tokens is None else limits.max_tokens,
         -1 if limits.max_rows is None else limits.max_rows,
     )
@@ -325,7 +331,7 @@ def mix_steps(
     num_steps: int,
     world_size: int,
     accum_steps: int,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
 ) -> tuple[float, np.ndarray, np.ndarray] | None:
     """Form ``num_steps`` steps from the segments ``segs`` (the units of a few steps, ``unit_sizes``
     segments each, one after another).
@@ -376,7 +382,7 @@ def _anchored_deal(
     num_steps: int,
     world_size: int,
     accum_steps: int,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
 ) -> tuple[float, np.ndarray, np.ndarray] | None:
     """The third deal of :func:`mix_steps`: steps formed around an anchor (:mod:`._anchor`), the rest
     (alone, or with the last formed step or three) dealt and every step evened out; the most even."""
@@ -433,7 +439,7 @@ def mix_uneven(
     end: np.ndarray,
     seg_cost: np.ndarray,
     seg_len: np.ndarray,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
     keep_below: float = MIX_KEEP_TOLERANCE,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Form every step more than :data:`REFORM_TOLERANCE` uneven again with donor steps, in place.

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from smart_batching.distributed._balance import UnitLimits, balance_step
+from smart_batching.distributed._balance import MicroBatchLimits, balance_step
 from smart_batching.distributed._tuning import (
     BALANCE_TOLERANCE,
     FILL_RETRIES,
@@ -129,7 +129,7 @@ class Reformer:
         self,
         seg_cost: np.ndarray,
         seg_len: np.ndarray,
-        limits: UnitLimits,
+        limits: MicroBatchLimits,
         world_size: int,
         accum_steps: int,
         cost: str,
