@@ -33,7 +33,8 @@ Two measurements per method, side by side in one run:
 3. **Scale** (``--scale``, instead of the two above): planning time and imbalance of ``distribute()``
    alone at simulated cluster sizes (world sizes 8 to 4,096, ``--scale-accum`` micro-batches per rank,
    default 4), plans only, no processes: ``--scale-n`` lengths (default 1M) of each distribution of
-   ``--dist``, packed at ``--capacity``, seeded:
+   ``--dist``, seeded, planned by each of ``--scale-strategies`` (default ``packed`` at ``--capacity``
+   and the default strategy ``token_budget`` with a budget of ``--capacity`` padded tokens):
 
    - ``gsm8k``, ``lima``: resampled from the dataset (SmolLM2 tokens), at most the capacity;
    - ``near_capacity``: lognormal, median 4,000 tokens (at capacity 4,096; the median scales with it),
@@ -46,7 +47,7 @@ Two measurements per method, side by side in one run:
    distribution (numba compiles once), the max and 99th-percentile step imbalance, and
    ``example_bound``: the largest ``world_size × costliest example / step cost`` over the steps, which
    no deal can beat (1.0: every step could be even). ``--target`` runs the issue's row: 10M lengths on
-   1,024 ranks for all five, each within 5 s of CPU and ``max(1.02, example_bound)``.
+   1,024 ranks for all five and every strategy, each within 5 s of CPU and ``max(1.02, example_bound)``.
 
 Usage::
 
@@ -381,15 +382,28 @@ def example_bound(d: Any) -> float:
     return float(max(bound.max(initial=1.0), 1.0))
 
 
+def _scale_plan(lengths: np.ndarray, strategy: str, capacity: int) -> sb.BatchPlan:
+    """The plan the scale run distributes: ``packed`` at ``capacity``, a token budget of ``capacity``
+    padded tokens, any other strategy with its defaults."""
+    options = {"packed": {"capacity": capacity}, "token_budget": {"max_tokens": capacity}}.get(strategy, {})
+    return sb.plan_batches(lengths, strategy, seed=0, **options)
+
+
 def scale_run(
-    lengths: np.ndarray, name: str, n: int, worlds: list[int], accum: int, capacity: int
+    lengths: np.ndarray,
+    name: str,
+    n: int,
+    worlds: list[int],
+    accum: int,
+    capacity: int,
+    strategy: str = "packed",
 ) -> list[dict]:
-    """``distribute()`` of one packed plan of ``lengths`` at each world size: seconds, imbalance."""
+    """``distribute()`` of one plan of ``lengths`` at each world size: seconds, imbalance."""
     t = time.perf_counter()
-    plan = sb.plan_batches(lengths, "packed", capacity=capacity, seed=0)
+    plan = _scale_plan(lengths, strategy, capacity)
     plan_seconds = time.perf_counter() - t
     # Warm-up: the same shape at 1/20 the size and 256 ranks at most, so every compiled step is loaded.
-    warm = sb.plan_batches(lengths[: max(n // 20, 5000)], "packed", capacity=capacity, seed=0)
+    warm = _scale_plan(lengths[: max(n // 20, 5000)], strategy, capacity)
     distribute(warm, min(max(worlds), 256), accum_steps=accum)
     records = []
     for world in worlds:
@@ -400,7 +414,7 @@ def scale_run(
         records.append(
             {
                 "section": "scale",
-                "strategy": "ours packed",
+                "strategy": f"ours {strategy}",
                 "distribution": name,
                 "dataset": name,
                 "n": n,
@@ -422,7 +436,7 @@ def scale_run(
             }
         )
         print(
-            f"{name} world {world}: {seconds:.3f} s ({cpu_seconds:.3f} s CPU), max imbalance "
+            f"{name} {strategy} world {world}: {seconds:.3f} s ({cpu_seconds:.3f} s CPU), max imbalance "
             f"{records[-1]['max_step_imbalance']:.4f}",
             file=sys.stderr,
             flush=True,
@@ -450,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-n", type=int, default=1_000_000, help="resampled lengths of the scale run")
     ap.add_argument("--scale-worlds", default=SCALE_WORLDS, help="world sizes of the scale run")
     ap.add_argument("--scale-accum", type=int, default=4, help="micro-batches per rank per step (scale run)")
+    ap.add_argument("--scale-strategies", default="packed,token_budget",
+                    help="strategies of the scale run (packed at --capacity, token_budget of --capacity tokens)")  # fmt: skip
     ap.add_argument("--dist", default=",".join(SCALE_DISTS),
                     help=f"length distributions of the scale run: {', '.join(SCALE_DISTS)}")  # fmt: skip
     ap.add_argument("--target", action="store_true",
@@ -526,7 +542,10 @@ def scale_main(args: argparse.Namespace) -> int:
     records = []
     for name in args.dist.split(","):
         lengths, label = scale_lengths(name, args.scale_n, args.capacity)
-        records += scale_run(lengths, label, args.scale_n, worlds, args.scale_accum, args.capacity)
+        for strategy in args.scale_strategies.split(","):
+            records += scale_run(
+                lengths, label, args.scale_n, worlds, args.scale_accum, args.capacity, strategy
+            )
     if args.json:
         for rec in records:
             print(json.dumps(rec))
@@ -534,12 +553,12 @@ def scale_main(args: argparse.Namespace) -> int:
     r0 = records[0]
     print(
         f"distribute() at simulated scale: {args.scale_n:,} lengths per distribution, packed at capacity "
-        f"{args.capacity}, accum {args.scale_accum}; plans only, no processes; {r0['machine']}, load "
+        f"{args.capacity} / token budget {args.capacity}, accum {args.scale_accum}; plans only, no processes; {r0['machine']}, load "
         f"average {min(r['load_average_1min'] for r in records):.1f}-{max(r['load_average_1min'] for r in records):.1f}"
     )
     head = (
-        f"{'distribution':<14} {'world':>6} {'steps':>6} {'empty':>6} {'max imb':>8} {'p99 imb':>8} "
-        f"{'bound':>7} {'wall s':>7} {'CPU s':>7}"
+        f"{'distribution':<14} {'strategy':<13} {'world':>6} {'steps':>7} {'empty':>6} {'max imb':>8} "
+        f"{'p99 imb':>8} {'bound':>7} {'wall s':>7} {'CPU s':>7} {'load':>5}"
     )
     target = args.scale_n >= TARGET["n"] and any(w >= TARGET["world_size"] for w in worlds)
     if target:
@@ -548,9 +567,10 @@ def scale_main(args: argparse.Namespace) -> int:
     print("-" * len(head))
     for r in records:
         line = (
-            f"{r['distribution'][:14]:<14} {r['world_size']:>6} {r['num_steps']:>6} {r['num_empty_slots']:>6} "
-            f"{r['max_step_imbalance']:>8.4f} {r['p99_step_imbalance']:>8.4f} {r['example_bound']:>7.3f} "
-            f"{r['distribute_seconds']:>7.2f} {r['distribute_cpu_seconds']:>7.2f}"
+            f"{r['distribution'][:14]:<14} {r['strategy'].removeprefix('ours ')[:13]:<13} {r['world_size']:>6} "
+            f"{r['num_steps']:>7} {r['num_empty_slots']:>6} {r['max_step_imbalance']:>8.4f} "
+            f"{r['p99_step_imbalance']:>8.4f} {r['example_bound']:>7.3f} {r['distribute_seconds']:>7.2f} "
+            f"{r['distribute_cpu_seconds']:>7.2f} {r['load_average_1min']:>5.1f}"
         )
         if target and r["world_size"] >= TARGET["world_size"]:
             ok = r["distribute_cpu_seconds"] <= TARGET["cpu_seconds"] and r["max_step_imbalance"] <= max(

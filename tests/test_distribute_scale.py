@@ -81,6 +81,54 @@ def test_one_giant_outlier() -> None:
     assert check(plan, 32, 4) <= 1.02
 
 
+def five_shapes(n: int, seed: int) -> dict[str, np.ndarray]:
+    """The five shapes of ``benchmarks/distributed_balance.py --scale``, synthetic (no shared data):
+    GSM8K-like (lognormal, median 150), LIMA-like (median 450, sigma 1: a long tail up to the capacity),
+    near the capacity, bimodal, and GSM8K-like with one example of the full capacity."""
+    rng = np.random.default_rng(seed)
+    gsm8k = np.clip(rng.lognormal(np.log(150), 0.45, n), 20, CAPACITY).astype(np.int64)
+    lima = np.clip(rng.lognormal(np.log(450), 1.0, n), 8, CAPACITY).astype(np.int64)
+    outlier = gsm8k.copy()
+    outlier[n // 3] = CAPACITY
+    return {
+        "gsm8k": gsm8k,
+        "lima": lima,
+        "near_capacity": near_capacity(n, seed),
+        "bimodal": bimodal(n, seed),
+        "outlier": outlier,
+    }
+
+
+@pytest.mark.parametrize("shape", ["gsm8k", "lima", "near_capacity", "bimodal", "outlier"])
+@pytest.mark.parametrize("strategy", ["packed", "token_budget"])
+def test_every_step_within_limits_and_even_on_five_shapes(shape: str, strategy: str) -> None:
+    """Every example once, every micro-batch within the strategy's limits (capacity; rows × longest
+    within the budget), no empty slot, no step added, every step within 2 % (8 ranks x 4 micro-batches;
+    the costliest example allows it: its bound is checked too)."""
+    lengths = five_shapes(10_000, 0)[shape]
+    options = {"capacity": CAPACITY} if strategy == "packed" else {"max_tokens": CAPACITY}
+    plan = sb.plan_batches(lengths, strategy, seed=0, **options)
+    world_size, accum = 8, 4
+    d = distribute(plan, world_size, accum_steps=accum)
+    assert d.num_empty_slots == 0
+    assert d.num_steps <= -(-len(plan) // (world_size * accum))
+    mbs = d.assignment.reshape(-1)
+    segments = gather_segments(d.segment_order, d.micro_batch_start, d.micro_batch_end, mbs)
+    np.testing.assert_array_equal(np.sort(plan.example_ids[segments]), np.arange(lengths.shape[0]))
+    limits = plan.spec.micro_batch_limits()
+    sizes = d.micro_batch_end[mbs] - d.micro_batch_start[mbs]
+    firsts = np.cumsum(sizes) - sizes
+    seg_len = plan.seg_lengths[segments]
+    tokens = np.add.reduceat(seg_len, firsts)
+    longest = np.maximum.reduceat(seg_len, firsts)
+    assert all(limits.admits(int(r), int(t), int(m)) for r, t, m in zip(sizes, tokens, longest, strict=True))
+    # No deal of a step beats world_size × its costliest example / its cost: here that is under 1.02.
+    step_cost = d.rank_cost.sum(axis=1)
+    biggest = longest.reshape(d.num_steps, -1).max(axis=1)
+    assert (world_size * biggest / step_cost).max() < 1.02
+    assert d.max_step_imbalance <= 1.02
+
+
 def test_mix_steps_evens_a_coarse_tail_with_fine_donors() -> None:
     """A step of single examples too long to share a row (and two short ones alone) cannot be evened
     out within itself; pooled with a step of many short examples it can."""

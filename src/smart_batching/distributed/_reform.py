@@ -20,6 +20,7 @@ import heapq
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from numba import njit
 
 from smart_batching.distributed._balance import MicroBatchLimits, balance_step
 from smart_batching.distributed._tuning import (
@@ -510,13 +511,20 @@ def unit_max_costs(
     seg_cost: np.ndarray, order: np.ndarray, unit_start: np.ndarray, unit_end: np.ndarray
 ) -> np.ndarray:
     """(num_units,) the cost of the costliest segment of each unit ``order[unit_start:unit_end]`` (0 when
-    empty), vectorised: one reduceat over interleaved (start, end) bounds."""
-    if unit_start.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    costs = np.append(seg_cost[order], 0)  # the sentinel keeps an end bound at len(order) in range
-    bounds = np.stack([unit_start, unit_end], axis=1).reshape(-1)
-    out = np.maximum.reduceat(costs, bounds)[::2].astype(np.int64)
-    out[unit_end <= unit_start] = 0
+    empty), compiled: one pass over the units' segments, no temporaries the size of ``order``."""
+    return _unit_max(seg_cost, order, unit_start, unit_end)
+
+
+@njit(cache=True, nogil=True)
+def _unit_max(seg_cost, order, unit_start, unit_end):  # pragma: no cover - compiled
+    out = np.zeros(unit_start.shape[0], dtype=np.int64)
+    for u in range(unit_start.shape[0]):
+        best = 0
+        for i in range(unit_start[u], unit_end[u]):
+            c = seg_cost[order[i]]
+            if c > best:
+                best = c
+        out[u] = best
     return out
 
 
