@@ -9,7 +9,9 @@ steps again (:func:`mix_steps`):
 1. deal: the pool's segments, costliest first, each to the cheapest of ``k × world_size`` rank loads
    of ``accum_steps`` micro-batches that admits it (re-forms the micro-batches), or its units whole,
    as many to every load (keeps the strategy's batches); a micro-batch left empty takes the cheapest
-   segment of a micro-batch that holds several, of its own rank first;
+   segment of a micro-batch that holds several, of its own rank first; where neither gets within
+   :data:`~._tuning.MIX_TOLERANCE`, the steps are also formed one by one around an anchor
+   (:mod:`._anchor`: a long example that fills a token budget alone gets partners built to its cost);
 2. even out all loads towards their common mean, then sort them by cost and cut them into ``k`` steps
    of ``world_size`` (like loads share a step), and even out each step: passes that pair the heaviest
    rank with the lightest and move one segment between them or swap two, whichever brings the pair
