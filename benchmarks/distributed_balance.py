@@ -32,14 +32,28 @@ Two measurements per method, side by side in one run:
 
 3. **Scale** (``--scale``, instead of the two above): planning time and imbalance of ``distribute()``
    alone at simulated cluster sizes (world sizes 8 to 4,096, ``--scale-accum`` micro-batches per rank,
-   default 4), plans only, no processes: ``--scale-n`` lengths (default 1M) resampled with a fixed seed
-   from each dataset, packed at ``--capacity``. ``distribute_seconds`` is one call (after a compile
-   warm-up), so its growth with the world size shows directly.
+   default 4), plans only, no processes: ``--scale-n`` lengths (default 1M) of each distribution of
+   ``--dist``, seeded, planned by each of ``--scale-strategies`` (default ``packed`` at ``--capacity``
+   and the default strategy ``token_budget`` with a budget of ``--capacity`` padded tokens):
+
+   - ``gsm8k``, ``lima``: resampled from the dataset (SmolLM2 tokens), at most the capacity;
+   - ``near_capacity``: lognormal, median 4,000 tokens (at capacity 4,096; the median scales with it),
+     sigma 0.5, those above the capacity left out: most rows hold one example, the cheapest ones alone;
+   - ``bimodal``: half resampled GSM8K, half near the capacity (median 4,000, sigma 0.1, at most 4,096);
+   - ``outlier``: resampled GSM8K with one example of the full capacity.
+
+   Per (distribution, world size): ``distribute_seconds`` (wall) and ``distribute_cpu_seconds``
+   (process CPU: the measure on a shared machine) of one call after a warm-up run of the same
+   distribution (numba compiles once), the max and 99th-percentile step imbalance, and
+   ``example_bound``: the largest ``world_size × costliest example / step cost`` over the steps, which
+   no deal can beat (1.0: every step could be even). ``--target`` runs the issue's row: 10M lengths on
+   1,024 ranks for all five and every strategy, each within 5 s of CPU and ``max(1.02, example_bound)``.
 
 Usage::
 
     python benchmarks/distributed_balance.py --scale              # world sizes 8-4,096, 1M lengths
-    python benchmarks/distributed_balance.py --scale --scale-n 10000000 --scale-worlds 1024
+    python benchmarks/distributed_balance.py --scale --target     # 10M lengths on 1,024 ranks, all five
+    python benchmarks/distributed_balance.py --scale --dist bimodal,near_capacity --scale-worlds 8,64
     python benchmarks/distributed_balance.py                      # both, table (about 2 min on 2 cores)
     python benchmarks/distributed_balance.py --json               # one JSON record per method per line
     python benchmarks/distributed_balance.py --no-wall --world-size 4
@@ -169,7 +183,7 @@ def ours(lengths, world, accum, strategy, cost="tokens", **options):
     d = distribute(plan, world, accum_steps=accum, cost=cost)
     secs = time.perf_counter() - t
     ranks = [
-        [d.unit_examples(u) if u >= 0 else np.zeros(0, np.int64) for u in d.rank_units(r)]
+        [d.micro_batch_examples(u) if u >= 0 else np.zeros(0, np.int64) for u in d.rank_micro_batches(r)]
         for r in range(world)
     ]
     # Truncated examples count their kept tokens only.
@@ -310,19 +324,87 @@ def wall_run(methods: list[tuple], world: int, accum: int, num_steps: int) -> di
 
 
 SCALE_WORLDS = "8,16,32,64,128,256,512,1024,2048,4096"
+SCALE_DISTS = ("gsm8k", "lima", "near_capacity", "bimodal", "outlier")
+TARGET = dict(n=10_000_000, world_size=1024, cpu_seconds=5.0, imbalance=1.02)  # the issue's row
+
+
+def _near_capacity(rng: np.random.Generator, n: int, capacity: int, sigma: float) -> np.ndarray:
+    """``n`` lognormal lengths, median 4,000/4,096 of the capacity, those above it drawn again."""
+    out = np.zeros(0)
+    while out.shape[0] < n:
+        x = rng.lognormal(np.log(capacity * 4000 / 4096), sigma, 2 * (n - out.shape[0]) + 16)
+        out = np.concatenate([out, x[x <= capacity]])
+    return np.maximum(out[:n], 1).astype(np.int64)
+
+
+def scale_lengths(name: str, n: int, capacity: int, seed: int = 0) -> tuple[np.ndarray, str]:
+    """``n`` lengths of one ``--dist`` distribution (see the module docstring), at most ``capacity``,
+    and its label (which says so where the shared data is absent and a lognormal stands in)."""
+    rng = np.random.default_rng(seed)
+
+    def real(dataset: str) -> tuple[np.ndarray, str]:
+        if DATA.exists():
+            return rng.choice(load_lengths(dataset), size=n, replace=True), dataset
+        stand_in = np.clip(np.random.default_rng(0).lognormal(5, 0.6, 7000), 8, 4000).astype(np.int64)
+        return rng.choice(stand_in, size=n, replace=True), f"{dataset}(lognormal: shared data absent)"
+
+    if name in ("gsm8k", "lima"):
+        lengths, label = real(name)
+    elif name == "near_capacity":
+        lengths, label = _near_capacity(rng, n, capacity, 0.5), name
+    elif name == "bimodal":
+        short, _ = real("gsm8k")
+        lengths = rng.permutation(
+            np.concatenate([short[: n // 2], _near_capacity(rng, n - n // 2, capacity, 0.1)])
+        )
+        label = name
+    elif name == "outlier":
+        lengths, _ = real("gsm8k")
+        lengths[int(rng.integers(n))] = capacity
+        label = name
+    else:
+        raise SystemExit(f"--dist: unknown distribution {name!r}; choose from {', '.join(SCALE_DISTS)}")
+    return np.minimum(lengths, capacity).astype(np.int64), label
+
+
+def example_bound(d: Any) -> float:
+    """Max over steps of ``world_size × costliest segment / step cost`` (at least 1.0): a rank holding
+    that segment costs at least as much, so no deal of that step can be more even."""
+    from smart_batching.distributed._reform import unit_max_costs
+    from smart_batching.distributed.distribute import _segment_costs
+
+    seg_cost = _segment_costs(d.base, d.cost)
+    unit_max = unit_max_costs(seg_cost, d.segment_order, d.micro_batch_start, d.micro_batch_end)
+    a = d.assignment.reshape(d.num_steps, -1)
+    biggest = np.where(a >= 0, unit_max[np.maximum(a, 0)], 0).max(axis=1)  # (num_steps,)
+    total = d.rank_cost.sum(axis=1)
+    bound = np.divide(d.world_size * biggest, total, out=np.ones(d.num_steps), where=total > 0)
+    return float(max(bound.max(initial=1.0), 1.0))
+
+
+def _scale_plan(lengths: np.ndarray, strategy: str, capacity: int) -> sb.BatchPlan:
+    """The plan the scale run distributes: ``packed`` at ``capacity``, a token budget of ``capacity``
+    padded tokens, any other strategy with its defaults."""
+    options = {"packed": {"capacity": capacity}, "token_budget": {"max_tokens": capacity}}.get(strategy, {})
+    return sb.plan_batches(lengths, strategy, seed=0, **options)
 
 
 def scale_run(
-    lengths: np.ndarray, name: str, n: int, worlds: list[int], accum: int, capacity: int
+    lengths: np.ndarray,
+    name: str,
+    n: int,
+    worlds: list[int],
+    accum: int,
+    capacity: int,
+    strategy: str = "packed",
 ) -> list[dict]:
-    """``distribute()`` of one packed plan of ``n`` resampled lengths at each world size: seconds, imbalance."""
-    rng = np.random.default_rng(0)
-    resampled = np.minimum(rng.choice(lengths, size=n, replace=True), capacity).astype(np.int64)  # (n,)
-    warm = sb.plan_batches(resampled[:5000], "packed", capacity=capacity)
-    distribute(warm, 8, accum_steps=accum)  # compile warm-up
+    """``distribute()`` of one plan of ``lengths`` at each world size: seconds, imbalance."""
     t = time.perf_counter()
-    plan = sb.plan_batches(resampled, "packed", capacity=capacity, seed=0)
+    plan = _scale_plan(lengths, strategy, capacity)
     plan_seconds = time.perf_counter() - t
+    # Warm-up: the same shape at 1/20 the size and 256 ranks at most, so every compiled step is loaded.
+    warm = _scale_plan(lengths[: max(n // 20, 5000)], strategy, capacity)
+    distribute(warm, min(max(worlds), 256), accum_steps=accum)
     records = []
     for world in worlds:
         t, c = time.perf_counter(), time.process_time()
@@ -332,7 +414,8 @@ def scale_run(
         records.append(
             {
                 "section": "scale",
-                "strategy": "ours packed",
+                "strategy": f"ours {strategy}",
+                "distribution": name,
                 "dataset": name,
                 "n": n,
                 "world_size": world,
@@ -343,14 +426,21 @@ def scale_run(
                 "num_empty_slots": d.num_empty_slots,
                 "max_step_imbalance": float(imb.max()) if imb.size else 1.0,
                 "p99_step_imbalance": float(np.quantile(imb, 0.99)) if imb.size else 1.0,
+                "example_bound": example_bound(d),
                 "plan_seconds": plan_seconds,
                 "distribute_seconds": seconds,
                 # process CPU time: on a machine shared with other work, the steadier of the two
                 "distribute_cpu_seconds": cpu_seconds,
+                "load_average_1min": os.getloadavg()[0],
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             }
         )
-        print(f"{name} world {world}: {seconds:.3f} s ({cpu_seconds:.3f} s CPU)", file=sys.stderr, flush=True)
+        print(
+            f"{name} {strategy} world {world}: {seconds:.3f} s ({cpu_seconds:.3f} s CPU), max imbalance "
+            f"{records[-1]['max_step_imbalance']:.4f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return records
 
 
@@ -374,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-n", type=int, default=1_000_000, help="resampled lengths of the scale run")
     ap.add_argument("--scale-worlds", default=SCALE_WORLDS, help="world sizes of the scale run")
     ap.add_argument("--scale-accum", type=int, default=4, help="micro-batches per rank per step (scale run)")
+    ap.add_argument("--scale-strategies", default="packed,token_budget",
+                    help="strategies of the scale run (packed at --capacity, token_budget of --capacity tokens)")  # fmt: skip
+    ap.add_argument("--dist", default=",".join(SCALE_DISTS),
+                    help=f"length distributions of the scale run: {', '.join(SCALE_DISTS)}")  # fmt: skip
+    ap.add_argument("--target", action="store_true",
+                    help="the scale run at the issue's target: 10M lengths on 1,024 ranks, all five")  # fmt: skip
     args = ap.parse_args(argv)
     if args.scale:
         return scale_main(args)
@@ -436,32 +532,56 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def scale_main(args: argparse.Namespace) -> int:
+    if args.target:
+        args.scale_n, args.scale_worlds, args.dist = (
+            TARGET["n"],
+            str(TARGET["world_size"]),
+            ",".join(SCALE_DISTS),
+        )
     worlds = [int(w) for w in args.scale_worlds.split(",")]
     records = []
-    for name in args.datasets.split(","):
-        if DATA.exists():
-            lengths = load_lengths(name)
-        else:
-            lengths = np.clip(np.random.default_rng(0).lognormal(5, 0.6, 7000), 8, 4000).astype(np.int64)
-            name = f"{name}(lognormal: shared data absent)"
-        records += scale_run(lengths, name, args.scale_n, worlds, args.scale_accum, args.capacity)
+    for name in args.dist.split(","):
+        lengths, label = scale_lengths(name, args.scale_n, args.capacity)
+        for strategy in args.scale_strategies.split(","):
+            records += scale_run(
+                lengths, label, args.scale_n, worlds, args.scale_accum, args.capacity, strategy
+            )
     if args.json:
         for rec in records:
             print(json.dumps(rec))
         return 0
     r0 = records[0]
     print(
-        f"distribute() at simulated scale: {args.scale_n:,} lengths resampled per dataset, packed at capacity "
-        f"{args.capacity}, accum {args.scale_accum}; plans only, no processes; {r0['machine']}"
+        f"distribute() at simulated scale: {args.scale_n:,} lengths per distribution, packed at capacity "
+        f"{args.capacity} / token budget {args.capacity}, accum {args.scale_accum}; plans only, no processes; {r0['machine']}, load "
+        f"average {min(r['load_average_1min'] for r in records):.1f}-{max(r['load_average_1min'] for r in records):.1f}"
     )
-    head = f"{'dataset':<8} {'world':>6} {'steps':>6} {'empty':>6} {'max imb':>8} {'p99 imb':>8} {'distribute s':>13} {'CPU s':>7}"
+    head = (
+        f"{'distribution':<14} {'strategy':<13} {'world':>6} {'steps':>7} {'empty':>6} {'max imb':>8} "
+        f"{'p99 imb':>8} {'bound':>7} {'wall s':>7} {'CPU s':>7} {'load':>5}"
+    )
+    target = args.scale_n >= TARGET["n"] and any(w >= TARGET["world_size"] for w in worlds)
+    if target:
+        head += "  target"
     print(head)
     print("-" * len(head))
     for r in records:
+        line = (
+            f"{r['distribution'][:14]:<14} {r['strategy'].removeprefix('ours ')[:13]:<13} {r['world_size']:>6} "
+            f"{r['num_steps']:>7} {r['num_empty_slots']:>6} {r['max_step_imbalance']:>8.4f} "
+            f"{r['p99_step_imbalance']:>8.4f} {r['example_bound']:>7.3f} {r['distribute_seconds']:>7.2f} "
+            f"{r['distribute_cpu_seconds']:>7.2f} {r['load_average_1min']:>5.1f}"
+        )
+        if target and r["world_size"] >= TARGET["world_size"]:
+            ok = r["distribute_cpu_seconds"] <= TARGET["cpu_seconds"] and r["max_step_imbalance"] <= max(
+                TARGET["imbalance"], r["example_bound"]
+            )
+            line += "  " + ("met" if ok else "MISSED")
+        print(line)
+    if target:
         print(
-            f"{r['dataset'][:8]:<8} {r['world_size']:>6} {r['num_steps']:>6} {r['num_empty_slots']:>6} "
-            f"{r['max_step_imbalance']:>8.4f} {r['p99_step_imbalance']:>8.4f} {r['distribute_seconds']:>13.3f} "
-            f"{r['distribute_cpu_seconds']:>7.3f}"
+            f"target: {TARGET['n']:,} lengths on {TARGET['world_size']:,} ranks in at most "
+            f"{TARGET['cpu_seconds']:.0f} s of CPU, every step within max({TARGET['imbalance']}, bound)"
         )
     return 0
 

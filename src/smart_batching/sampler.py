@@ -253,9 +253,8 @@ class SmartBatchSampler(Sampler[list[int]]):
         Raises:
             ConfigError: the message names what changed.
         """
-        if not isinstance(state, Mapping) or "fingerprint" not in state:
-            raise ConfigError(f"not a SmartBatchSampler state: {state!r}")
-        version = state.get("version")
+        check_state_fields(state, STATE_FIELDS, "SmartBatchSampler")
+        version = state["version"]
         if version != STATE_VERSION:
             raise ConfigError(
                 f"sampler state version {version!r} is not supported (this version reads {STATE_VERSION})"
@@ -311,10 +310,61 @@ class SmartBatchSampler(Sampler[list[int]]):
         )
 
 
+# Field -> (kind, required) of a sampler state: "count" is an int >= 0, "positive" an int >= 1, "text" a
+# str; "?" accepts None too.
+STATE_FIELDS: dict[str, tuple[str, bool]] = {
+    "version": ("count", True),
+    "fingerprint": ("text", True),
+    "epoch": ("count", True),
+    "batches_yielded": ("count", True),
+    "num_examples": ("count?", False),
+    "lengths_fingerprint": ("text?", False),
+    "strategy": ("text?", False),
+    "spec": ("text?", False),
+    "seed": ("count?", False),
+}
+_KINDS = {"count": "a non-negative integer", "positive": "a positive integer", "text": "a string"}
+
+
+def check_state_fields(state: Any, fields: Mapping[str, tuple[str, bool]], owner: str) -> None:
+    """Refuse a state that is not a mapping, lacks a required field or holds a field of the wrong type,
+    with a :class:`ConfigError` that names the field (rather than the ``ValueError`` or ``KeyError`` of
+    reading it).
+
+    Args:
+        state: what :meth:`load_state_dict` was given.
+        fields: name -> ``(kind, required)``; kinds ``"count"`` (int >= 0), ``"positive"`` (int >= 1),
+            ``"text"`` (str), each with a ``"?"`` suffix where None is allowed too.
+        owner: the class the state is for, in the message.
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"not a {owner} state (a dict from state_dict()): {state!r}")
+    for name, (kind, required) in fields.items():
+        if name not in state:
+            if required:
+                raise ConfigError(
+                    f"cannot resume the {owner}: its state has no {name!r} field (it has "
+                    f"{', '.join(map(repr, state)) or 'none'}); pass the dict state_dict() returned"
+                )
+            continue
+        value = state[name]
+        base = kind.rstrip("?")
+        if value is None and kind.endswith("?"):
+            continue
+        if base == "text":
+            ok = isinstance(value, str)
+        else:
+            ok = not isinstance(value, bool) and isinstance(value, (int, np.integer))
+            ok = ok and value >= (1 if base == "positive" else 0)
+        if not ok:
+            what = _KINDS[base] + (" or None" if kind.endswith("?") else "")
+            raise ConfigError(f"cannot resume the {owner}: its state's {name}= must be {what}, got {value!r}")
+
+
 def _non_negative(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ConfigError(f"{name}= must be a non-negative integer, got {value!r}")
     return int(value)
 
 
-__all__ = ["STATE_VERSION", "Segment", "SegmentDataset", "SmartBatchSampler"]
+__all__ = ["STATE_VERSION", "Segment", "SegmentDataset", "SmartBatchSampler", "check_state_fields"]

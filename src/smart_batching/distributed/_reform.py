@@ -20,8 +20,9 @@ import heapq
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from numba import njit
 
-from smart_batching.distributed._balance import UnitLimits, balance_step
+from smart_batching.distributed._balance import MicroBatchLimits, balance_step
 from smart_batching.distributed._tuning import (
     BALANCE_TOLERANCE,
     FILL_RETRIES,
@@ -32,6 +33,7 @@ from smart_batching.distributed._tuning import (
     MAX_REFORM_SEGMENTS,
     PROBE_LADDER,
     PROBE_WIDTH,
+    REFORM_BUDGET_RANKS,
     REFORM_TOLERANCE,
     TAIL_STEPS,
 )
@@ -128,7 +130,7 @@ class Reformer:
         self,
         seg_cost: np.ndarray,
         seg_len: np.ndarray,
-        limits: UnitLimits,
+        limits: MicroBatchLimits,
         world_size: int,
         accum_steps: int,
         cost: str,
@@ -509,13 +511,20 @@ def unit_max_costs(
     seg_cost: np.ndarray, order: np.ndarray, unit_start: np.ndarray, unit_end: np.ndarray
 ) -> np.ndarray:
     """(num_units,) the cost of the costliest segment of each unit ``order[unit_start:unit_end]`` (0 when
-    empty), vectorised: one reduceat over interleaved (start, end) bounds."""
-    if unit_start.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    costs = np.append(seg_cost[order], 0)  # the sentinel keeps an end bound at len(order) in range
-    bounds = np.stack([unit_start, unit_end], axis=1).reshape(-1)
-    out = np.maximum.reduceat(costs, bounds)[::2].astype(np.int64)
-    out[unit_end <= unit_start] = 0
+    empty), compiled: one pass over the units' segments, no temporaries the size of ``order``."""
+    return _unit_max(seg_cost, order, unit_start, unit_end)
+
+
+@njit(cache=True, nogil=True)
+def _unit_max(seg_cost, order, unit_start, unit_end):  # pragma: no cover - compiled
+    out = np.zeros(unit_start.shape[0], dtype=np.int64)
+    for u in range(unit_start.shape[0]):
+        best = 0
+        for i in range(unit_start[u], unit_end[u]):
+            c = seg_cost[order[i]]
+            if c > best:
+                best = c
+        out[u] = best
     return out
 
 
@@ -554,6 +563,8 @@ def reform_uneven(
             [int(reformer.seg_cost[unit_segs(u)].max(initial=0)) for u in range(num_units)], dtype=np.int64
         )
     finest = np.argsort(_steps_finest(assignment, unit_max), kind="stable")
+    # Python work per segment grows with the ranks of a step: the budget shrinks as they grow.
+    budget = MAX_REFORM_SEGMENTS * REFORM_BUDGET_RANKS // max(reformer.world_size, REFORM_BUDGET_RANKS)
     best: tuple[np.ndarray, list[list[Load]]] | None = None
     best_score = float(imbalance[uneven].max())
     for extra in sorted({0, num_steps if max_extra_steps is None else max_extra_steps}):
@@ -565,7 +576,7 @@ def reform_uneven(
             units = assignment[chosen].reshape(-1)
             segs = np.concatenate([unit_segs(int(u)) for u in units if u >= 0])
             spent += segs.shape[0]
-            if spent > MAX_REFORM_SEGMENTS:
+            if spent > budget:
                 break
             steps = reformer.reform(segs, chosen.shape[0], chosen.shape[0] + extra)
             worse += 1  # larger pools hold more of the long tail: stop when they stop helping

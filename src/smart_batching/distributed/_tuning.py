@@ -46,6 +46,11 @@ MAX_REFORM_SEGMENTS = 100_000
 """The most segments dissolved in one series of attempts to even out uneven steps: bounds the Python
 loop (about a second) whatever the dataset size."""
 
+REFORM_BUDGET_RANKS = 8
+"""World size up to which the Python re-forming may dissolve :data:`MAX_REFORM_SEGMENTS`; beyond it the
+budget shrinks in proportion (its loops over one step's ranks grow with them: 11 s for 100K segments
+at 1,024 ranks), which leaves the steps of large worlds to the compiled mixer (:mod:`._mix`)."""
+
 GIVE_UP_LEVELS = 3
 """Pool sizes tried in a row without a more even result before giving up, once
 :data:`GIVE_UP_SEGMENTS` segments have been dissolved: larger pools rarely help after three misses."""
@@ -53,3 +58,35 @@ GIVE_UP_LEVELS = 3
 GIVE_UP_SEGMENTS = 20_000
 """Segments dissolved before :data:`GIVE_UP_LEVELS` may end the search (small plans always try every
 pool size)."""
+
+TAIL_POOL_STEPS = 8
+"""Whole steps the pool of the ragged tail may grow by before the units with the most segments join
+it instead: where the cheapest units are single examples near the capacity, growing it step by step
+would pool most of the plan (and deal it all again); eight steps cover every tail of GSM8K and LIMA
+(one step suffices there) and cost a few milliseconds at 1,024 ranks."""
+
+MIX_TOLERANCE = 1.002
+"""Each step formed with donors is refined until its heaviest rank is this close to the mean: a fifth
+of :data:`REFORM_TOLERANCE`, like :data:`FILL_TOLERANCE`, so that what a deal leaves uneven is closed
+well inside the promise; the moves are compiled, so aiming lower costs little."""
+
+MIX_KEEP_TOLERANCE = 1.02
+"""Where no pool of donors gets a step within :data:`REFORM_TOLERANCE`, the most even result is kept if
+within this (the README's 1-2 %); worse ones are left for the Python re-forming, which evens out long
+examples alone in a token budget better (and is hampered by a half-mixed step), and are taken only if
+that fails too."""
+
+MAX_MIX_DONORS = 64
+"""Most donor steps pooled with one uneven step (1, 2, 4, ... are tried): the near-capacity and
+bimodal tails even out with 1 to 16 at every world size from 8 to 1,024; more rarely helps, and
+each try deals its whole pool again."""
+
+MIX_GIVE_UP_LEVELS = 2
+"""Pool sizes tried in a row without a more even result before the donor search of a step stops, once
+it has a result it would keep: past the best size, larger pools mix in ever more unlike steps and
+rarely help (a step still far from even keeps trying up to :data:`MAX_MIX_DONORS`)."""
+
+MIX_SEGMENT_BUDGET = 4_000_000
+"""Segments dealt again, over every try of every uneven step, before the donor search stops (the
+Python re-forming then takes what is left, bounded by :data:`MAX_REFORM_SEGMENTS`): about a second of
+compiled dealing, whatever the dataset and world size."""

@@ -19,10 +19,12 @@ all-reduce, so the micro-batches of one step are chosen together:
    least-loaded rank that can take them), then single examples are moved or swapped between its
    heaviest and lightest rank, always within the strategy's limits (capacity, token budget, batch size
    plus one eighth). Only those steps loop in Python.
-5. Steps still more than 1 % uneven (a long example that fills a token budget alone, a tail of a few
-   similar examples) are dissolved together with their neighbours in cost order and the finest steps,
-   and formed again so that every rank of a step reaches the same cost
-   (:func:`~smart_batching.distributed._reform.reform_uneven`): still every example once, no empty
+5. Steps still more than 1 % uneven (a tail of examples near the capacity, one per micro-batch; a long
+   example that fills a token budget alone) are pooled with donor steps (their neighbours in cost order
+   and the steps with the most examples to spare) and formed again, compiled
+   (:func:`~smart_batching.distributed._mix.mix_uneven`); those still uneven are dissolved together
+   with their neighbours and the finest steps and formed again so that every rank of a step reaches the
+   same cost (:func:`~smart_batching.distributed._reform.reform_uneven`): still every example once, no empty
    micro-batch, the same step count on every rank: as many steps as before, or (``max_extra_steps``) a
    few more where long examples that fill a token budget alone leave their steps light (LIMA, token
    budget 8192: a few more steps on 2 ranks).
@@ -60,14 +62,19 @@ import numpy as np
 
 from smart_batching.distributed._balance import (
     BALANCE_TOLERANCE,
+    argsort_descending,
     balance_step,
+    gather_segments,
     halve_units,
     lpt_pieces,
+    rank_costs,
     repartition_step,
+    tail_pool,
 )
+from smart_batching.distributed._mix import MIX_KEEP_TOLERANCE, mix_uneven
 from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
-from smart_batching.plan import Batches, BatchPlan, BatchShapes, block_positions, costliest, offsets_of
+from smart_batching.plan import Batches, BatchPlan, BatchShapes, block_positions, costliest_batch, offsets_of
 from smart_batching.planners._spec import MicroBatchLimits
 
 COSTS = ("tokens", "attention", "slots")
@@ -282,16 +289,19 @@ class _MicroBatches:
     def segments(self, u: int) -> np.ndarray:
         return self.order[self.start[u] : self.end[u]]
 
-    def add(self, loads: list[np.ndarray], seg_cost: np.ndarray) -> np.ndarray:
-        """Append new micro-batches holding ``loads`` (segment arrays); returns their ids."""
-        sizes = np.array([len(x) for x in loads], dtype=np.int64)
-        starts = self.order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    def add(self, segments: np.ndarray, sizes: np.ndarray, seg_cost: np.ndarray) -> np.ndarray:
+        """Append new micro-batches, the next ``sizes[k]`` of ``segments`` each; returns their ids."""
+        starts = self.order.shape[0] + np.cumsum(sizes) - sizes
         first = self.start.shape[0]
+        costs = np.zeros(sizes.shape[0], dtype=np.int64)
+        if segments.size:
+            nonempty = sizes > 0
+            costs[nonempty] = np.add.reduceat(seg_cost[segments], (starts - self.order.shape[0])[nonempty])
         self.start = np.concatenate([self.start, starts])
         self.end = np.concatenate([self.end, starts + sizes])
-        self.costs = np.concatenate([self.costs, [int(seg_cost[x].sum()) if len(x) else 0 for x in loads]])
-        self.order = np.concatenate([self.order, *[np.asarray(x, dtype=np.int64) for x in loads]])
-        return np.arange(first, first + len(loads))
+        self.costs = np.concatenate([self.costs, costs])
+        self.order = np.concatenate([self.order, segments.astype(np.int64, copy=False)])
+        return np.arange(first, first + sizes.shape[0])
 
 
 def _cost_micro_batches(plan: BatchPlan, seg_cost: np.ndarray) -> _MicroBatches:
@@ -319,35 +329,30 @@ def _deal_tail(
         pooled and re-dealt                 [u3 u1 u6 u4 u8 u9] -> n0..n7 (8 pieces, 2 whole steps)
         slot order             u7 u2 u5 u0 | n0 n1 n2 n3 | n4 n5 n6 n7
     """
-    by_cost = np.argsort(-mbs.costs, kind="stable")  # (num_micro_batches,) costliest first
-    num_base = by_cost.shape[0]
-    m = num_base % group
-    if not m:
+    by_cost = argsort_descending(mbs.costs)  # (num_micro_batches,) costliest first, stable
+    tail = tail_pool(by_cost, mbs.end - mbs.start, group)  # (t,) the cheapest first
+    if not tail.size:
         return by_cost
-    take = m + group
-    sizes_all = mbs.end - mbs.start
-    # Grow the pool by whole steps until it holds more segments than slots (single huge examples).
-    while take < num_base and sizes_all[by_cost[num_base - take :]].sum() <= -(-take // group) * group:
-        take += group
-    tail = by_cost[max(0, num_base - take) :]
-    pool = np.concatenate([mbs.segments(u) for u in tail.tolist()])
-    # As many pieces (a multiple of G) as keep the costliest segment from dominating a piece.
+    tail = tail[::-1]  # costliest first, as the micro-batches of the tail were dealt
+    pool = gather_segments(mbs.order, mbs.start, mbs.end, tail)
+    # As many pieces as keep the costliest segment from dominating a piece, and the count of micro-batches a
+    # multiple of G: a multiple of G themselves, plus what donor micro-batches (tail_pool) add to the tail.
+    extra = (tail.shape[0] - by_cost.shape[0]) % group
     biggest = int(seg_cost[pool].max(initial=1)) or 1
     fit = min(pool.shape[0], int(seg_cost[pool].sum()) // biggest)
-    num_pieces = max(group, (fit // group) * group)
-    num_pieces = min(num_pieces, -(-tail.shape[0] // group) * group)
+    num_pieces = max(group, ((fit - extra) // group) * group) + extra
+    num_pieces = min(num_pieces, -(-(tail.shape[0] - extra) // group) * group + extra)
     dealt = lpt_pieces(pool, seg_cost, seg_len, num_pieces, limits)
-    if dealt is None or min(len(p) for p in dealt) == 0:
+    if dealt is None or not dealt[1].min():
         # Indivisible or over-limit: cut the costliest splittable micro-batches of the pool in two instead.
-        dealt = halve_units([list(mbs.segments(u)) for u in tail.tolist()], seg_cost, group)
-    if dealt is None:
-        return by_cost
-    keep = by_cost[: num_base - tail.shape[0]]
-    sizes = np.array([len(p) for p in dealt], dtype=np.int64)
-    new_ids = mbs.add([np.asarray(p, dtype=np.int64) for p in dealt], seg_cost)
+        dealt = halve_units(pool, mbs.end[tail] - mbs.start[tail], seg_cost, group, extra)
+    in_tail = np.zeros(by_cost.shape[0], dtype=bool)
+    in_tail[tail] = True
+    keep = by_cost[~in_tail[by_cost]]
+    new_ids = mbs.add(*dealt, seg_cost)
     rank = np.argsort(-mbs.costs[new_ids], kind="stable")
     # An empty piece (fewer segments than slots) is an empty slot: -1.
-    return np.concatenate([keep, np.where(sizes[rank] > 0, new_ids[rank], -1)])
+    return np.concatenate([keep, np.where(dealt[1][rank] > 0, new_ids[rank], -1)])
 
 
 def _snake_deal(by_cost: np.ndarray, world_size: int, accum_steps: int) -> np.ndarray:
@@ -373,7 +378,7 @@ def _snake_deal(by_cost: np.ndarray, world_size: int, accum_steps: int) -> np.nd
 
 def _rank_costs(assignment: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """``(num_steps, world_size)`` cost of each rank in each step."""
-    return np.where(assignment >= 0, costs[np.maximum(assignment, 0)], 0).sum(axis=2)
+    return rank_costs(assignment, costs)
 
 
 def _balance_uneven(
@@ -418,15 +423,18 @@ def _reform_uneven(
     reformer: Reformer,
     max_extra_steps: int | None,
 ) -> np.ndarray:
-    """Phase 5: steps still more than :data:`~._tuning.REFORM_TOLERANCE` uneven (one long example in
-    a token budget, a tail of a few examples) are dissolved with their neighbours in cost order and
-    formed again, every rank to the same cost (:func:`~._reform.reform_uneven`). Returns the new
+    """Phase 5: steps still more than :data:`~._tuning.REFORM_TOLERANCE` uneven (a tail of coarse
+    examples, one long example in a token budget) are formed again with donor steps, in place
+    (:func:`~._mix.mix_uneven`); those still uneven are dissolved with their neighbours in cost order
+    and formed again, every rank to the same cost (:func:`~._reform.reform_uneven`). Returns the new
     assignment (the kept steps, then the formed ones)::
 
         steps   s4 [300, 100]  s5 [160, 150]   ->  dissolved together  ->  [205, 205] [200, 200]
     """
     rc = _rank_costs(assignment, mbs.costs)
-    imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
+    if not (rc.max(axis=1) > REFORM_TOLERANCE * rc.mean(axis=1)).any():
+        return assignment
+    assignment, imbalance = _mix_uneven(assignment, rc, mbs, seg_cost, reformer, MIX_KEEP_TOLERANCE)
     uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
     if not uneven.size:
         return assignment
@@ -434,14 +442,49 @@ def _reform_uneven(
         assignment, mbs.segments, uneven, reformer, imbalance, max_extra_steps,
         unit_max_costs(seg_cost, mbs.order, mbs.start, mbs.end),
     )  # fmt: skip
-    if found is None:
-        return assignment
-    dissolved, new_steps = found
-    loads = [mb.segs for step in new_steps for load in step for mb in load]
-    ids = mbs.add([np.asarray(mb, dtype=np.int64) for mb in loads], seg_cost)
-    kept = np.ones(assignment.shape[0], dtype=bool)
-    kept[dissolved] = False
-    return np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
+    if found is not None:
+        dissolved, new_steps = found
+        loads = [mb.segs for step in new_steps for load in step for mb in load]
+        ids = mbs.add(
+            np.array([s for mb in loads for s in mb], dtype=np.int64),
+            np.array([len(mb) for mb in loads]),
+            seg_cost,
+        )
+        kept = np.ones(assignment.shape[0], dtype=bool)
+        kept[dissolved] = False
+        assignment = np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
+    rc = _rank_costs(assignment, mbs.costs)
+    if (rc.max(axis=1) > REFORM_TOLERANCE * rc.mean(axis=1)).any():  # the mixer's most even, at last
+        assignment, _ = _mix_uneven(assignment, rc, mbs, seg_cost, reformer, np.inf)
+    return assignment
+
+
+def _mix_uneven(
+    assignment: np.ndarray,
+    rc: np.ndarray,
+    mbs: _MicroBatches,
+    seg_cost: np.ndarray,
+    reformer: Reformer,
+    partial: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~._mix.mix_uneven` on ``mbs``; the steps in cost order again (formed steps take their
+    donors' places) and their imbalance."""
+    assignment, rc, segments, sizes = mix_uneven(
+        assignment,
+        rc,
+        mbs.order,
+        mbs.start,
+        mbs.end,
+        seg_cost,
+        reformer.seg_len,
+        reformer.limits,
+        partial,
+    )
+    if sizes.size:
+        mbs.add(segments, sizes, seg_cost)
+        by_cost = np.argsort(-rc.sum(axis=1), kind="stable")
+        assignment, rc = assignment[by_cost], rc[by_cost]
+    return assignment, rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
 
 
 def _shuffle_steps(assignment: np.ndarray, seed: int, epoch: int) -> np.ndarray:
@@ -468,12 +511,25 @@ def _costliest_first(assignment: np.ndarray, mbs: _MicroBatches, plan: BatchPlan
     if slots.size == 0:
         return assignment
     ids = flat[slots]  # (num_filled,) micro-batches in slot order
-    starts, ends = mbs.start[ids], mbs.end[ids]
+    # The dealt micro-batches in id order, their segments gathered one after another: each micro-batch is then the
+    # next range of them (one reduceat per key, near-sequential reads), its keys read back by slot.
+    dealt = np.zeros(mbs.start.shape[0], dtype=bool)
+    dealt[ids] = True
+    used = np.flatnonzero(dealt)  # (num_used,)
+    sizes = mbs.end[used] - mbs.start[used]
+    ends = np.cumsum(sizes)
     spec = plan.spec
     fixed = spec.fixed_width(int(plan.lengths.max(initial=0)))
-    width = None if fixed is None else np.full(ids.shape[0], fixed, dtype=np.int64)
+    width = None if fixed is None else np.full(used.shape[0], fixed, dtype=np.int64)
+    lengths = plan.seg_lengths[gather_segments(mbs.order, mbs.start, mbs.end, used)]
     # One segment per row where rows are padded (packed rows are measured by their tokens).
-    best = costliest(spec, BatchShapes(ends - starts, width, plan.seg_lengths[mbs.order], starts, ends))
+    key, tie_break = (
+        np.asarray(k) for k in spec.costliest_keys(BatchShapes(sizes, width, lengths, ends - sizes, ends))
+    )
+    top = costliest_batch(key, tie_break)  # a micro-batch ranked first; ties go to the first slot holding one
+    ranked_first = np.zeros(mbs.start.shape[0], dtype=bool)
+    ranked_first[used[(key == key[top]) & (tie_break == tie_break[top])]] = True
+    best = int(np.argmax(ranked_first[ids]))
     step, rank, micro = np.unravel_index(int(slots[best]), assignment.shape)
     assignment[[0, step]] = assignment[[step, 0]]
     assignment[0, rank, [0, micro]] = assignment[0, rank, [micro, 0]]

@@ -34,7 +34,18 @@ from smart_batching.distributed import DistributedPlan, World, distribute
 from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
 from smart_batching.planners import plan_batches
-from smart_batching.sampler import SmartBatchSampler
+from smart_batching.sampler import STATE_FIELDS as BASE_STATE_FIELDS
+from smart_batching.sampler import SmartBatchSampler, check_state_fields
+
+# The base cursor's fields and the world it was saved on (see smart_batching.sampler.STATE_FIELDS).
+STATE_FIELDS = {
+    **BASE_STATE_FIELDS,
+    "world_size": ("positive", False),
+    "accum_steps": ("positive", False),
+    "cost": ("text", False),
+    "max_extra_steps": ("count?", False),
+    "replanned_examples": ("count", False),
+}
 
 
 class DistributedSmartBatchSampler(SmartBatchSampler):
@@ -148,8 +159,15 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
                 examples not yet consumed instead of refusing.
 
         Raises:
-            ConfigError: the dataset, strategy or seed changed, or the world changed and ``replan`` is off.
+            ConfigError: a field is missing or garbled, the dataset, strategy, seed or cost changed, or
+                the world changed and ``replan`` is off.
         """
+        check_state_fields(state, STATE_FIELDS, type(self).__name__)
+        if state.get("cost", self.cost) != self.cost:
+            raise ConfigError(
+                f"cannot resume the batch sampler: it was saved with cost={state['cost']!r}, now "
+                f"{self.cost!r} (the plans differ); pass the same"
+            )
         if state.get("max_extra_steps", self.max_extra_steps) != self.max_extra_steps:
             raise ConfigError(
                 f"cannot resume the batch sampler: it was saved with max_extra_steps="
@@ -185,6 +203,11 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             seed=self.seed,
             max_extra_steps=self.max_extra_steps,
         )
+        if done_steps > old.num_steps:
+            raise ConfigError(
+                f"sampler state says {state['batches_yielded']} micro-batches of epoch {epoch} were yielded, "
+                f"but that epoch has {old.num_steps * saved_accum} per rank on world_size={saved_world}"
+            )
         consumed_micro_batches = old.assignment[:done_steps].reshape(-1)
         consumed = [old.micro_batch_examples(int(m)) for m in consumed_micro_batches if m >= 0]
         used = np.zeros(self.num_examples, dtype=bool)
