@@ -44,12 +44,19 @@ class ResumeMixin:
             checkpoint = compat.last_checkpoint(self.args.output_dir) if checkpoint else None
         self.smart_batching.resume_state = read_sampler_state(checkpoint) if checkpoint else None
         self.smart_batching.resume_checked = self.smart_batching.resume_state is None
+        self._resume_backoff(self.smart_batching.resume_state)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.args.world_size > 1:
             # Only after a run that ended well: tearing a group down while another rank still waits in
             # a collective (a failed run) can hang instead.
             _release_at_exit(self)
         return result
+
+    def _resume_backoff(self, state: Mapping[str, Any] | None) -> None:
+        """The back-off budget and counts of the checkpoint, so micro-batches split as they did."""
+        sb = self.smart_batching
+        if sb.backoff is not None and state is not None and "oom_backoff" in state:
+            sb.backoff_state.load_state_dict(state["oom_backoff"])
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         # transformers 5.x calls _run_epoch with keywords only.
@@ -180,17 +187,21 @@ class ResumeMixin:
     def sampler_state(self) -> dict[str, Any] | None:
         """The cursor of the batches this process consumed (not the ones the DataLoader prefetched).
 
-        ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it.
+        ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it, and the
+        out-of-memory back-off's budget and counts (``oom_backoff``) when it is on.
         """
         if self.smart_batching.stream is not None:
-            return self._stream_state()
-        if self.smart_batching.sampler is None:
+            state = self._stream_state()
+        elif self.smart_batching.sampler is None:
             return None
-        state = self.smart_batching.sampler.state_dict()
-        epoch, consumed = self.smart_batching.epoch, self.smart_batching.consumed
-        if consumed >= self._local_batches(epoch):
-            epoch, consumed = epoch + 1, 0
-        state.update(epoch=epoch, batches_yielded=consumed, num_processes=self.accelerator.num_processes)
+        else:
+            state = self.smart_batching.sampler.state_dict()
+            epoch, consumed = self.smart_batching.epoch, self.smart_batching.consumed
+            if consumed >= self._local_batches(epoch):
+                epoch, consumed = epoch + 1, 0
+            state.update(epoch=epoch, batches_yielded=consumed, num_processes=self.accelerator.num_processes)
+        if self.smart_batching.backoff is not None:
+            state["oom_backoff"] = self.smart_batching.backoff_state.state_dict()
         return state
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -33,6 +33,13 @@ class SmartBatchingState:
         resume_state: the cursor read from the checkpoint resumed from; ``resume_checked`` once it
             was compared with where Trainer resumes.
         stream_offset: stream pass minus Trainer epoch, after a resume.
+        batch_schedule: the :class:`~smart_batching.adaptive.BatchSchedule` of step sizes, or None.
+        lr_scaling: ``"sqrt"``, ``"linear"`` or None: the learning rate of a step of another size.
+        backoff: the :class:`~smart_batching.adaptive.backoff.OomBackoff` settings, or None (off).
+        backoff_state: what the back-off did (:class:`~smart_batching.adaptive.backoff.BackoffState`),
+            saved with each checkpoint.
+        step: the optimizer step in progress (:class:`~smart_batching.hf.adaptive.StepRun`).
+        forward_done: the piece running has finished its forward pass (a failure is in backward).
     """
 
     spec: Any
@@ -56,3 +63,9 @@ class SmartBatchingState:
     resume_state: dict[str, Any] | None = None
     resume_checked: bool = True
     stream_offset: int = 0
+    batch_schedule: Any = None
+    lr_scaling: str | None = None
+    backoff: Any = None
+    backoff_state: Any = None
+    step: Any = None
+    forward_done: bool = False

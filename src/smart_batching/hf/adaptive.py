@@ -1,0 +1,351 @@
+"""Adaptive batch size in the Trainer: steps of several micro-batches run within one optimizer step,
+and out-of-memory back-off that keeps the step (:mod:`smart_batching.adaptive.backoff`).
+
+How a micro-batch runs (``training_step``), by setting:
+
+==========================  ======================================================================
+one process                 each piece through ``Trainer.training_step`` on the model; a failure is
+                            caught, the piece split, the step goes on.
+several processes,          every piece runs on the module inside DDP (no collective in its forward
+``oom_backoff`` on (DDP)    or backward, so a rank that fails leaves no other rank waiting); at the
+                            step's last micro-batch one all-reduce tells every rank whether any rank
+                            backed off and the lowest budget, then a two-token pass through the DDP
+                            model (its loss times 0) all-reduces the accumulated gradients, as DDP's
+                            own synchronised backward would have.
+several processes, pieces   every piece but the last under ``no_sync``; every rank runs as many
+without back-off            pieces (the balanced plan gives each rank the same micro-batch count).
+==========================  ======================================================================
+
+A failure in backward has already added part of the micro-batch's gradient: the gradients are zeroed
+and the step's earlier micro-batches (and the pieces of this one that succeeded) run again before the
+split pieces, so the step's gradient is the same sum.
+
+Not supported, refused by :func:`check_backoff_topology`: FSDP on several processes (FSDP gathers
+parameters inside every forward and backward: a rank that fails half-way leaves the others waiting in
+a collective, the hang Composer's open FSDP2 auto-microbatching work reports) and DeepSpeed (its
+engine owns the accumulation steps and the backward).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smart_batching import compat
+from smart_batching.adaptive.backoff import (
+    BackoffState,
+    OomBackoff,
+    free_memory,
+    injected_fault,
+    is_out_of_memory,
+    null_piece,
+    split_inputs,
+    token_slots,
+)
+from smart_batching.adaptive.lr import check_lr_scaling
+from smart_batching.adaptive.schedule import BatchSchedule, schedule_unit
+from smart_batching.adaptive.steps import MicroBatches
+from smart_batching.errors import ConfigError, SmartBatchingError
+from smart_batching.fallbacks import warn_fallback
+
+logger = logging.getLogger("smart_batching.hf")
+
+_NO_BUDGET = 2**62
+
+
+class BackoffExhaustedError(SmartBatchingError, RuntimeError):
+    """A micro-batch ran out of memory and cannot be split further (one example over the budget)."""
+
+
+class _GradientsLost(Exception):
+    """A replayed micro-batch failed in backward: replay the step's micro-batches from the start."""
+
+
+@dataclass
+class StepRun:
+    """The optimizer step in progress: its micro-batches (for replay) and what happened in it."""
+
+    batches: list[Any] = field(default_factory=list)
+    position: int = 0  # micro-batches of ``batches`` already run
+    failed: bool = False  # a piece of this rank ran out of memory in this step
+
+
+def check_backoff_topology(trainer: Any, backoff: OomBackoff | None, pieces: bool) -> None:
+    """Refuse the settings under which back-off or multi-piece steps cannot keep the ranks in lockstep.
+
+    Raises:
+        ConfigError: DeepSpeed (back-off or a batch schedule), or FSDP on several processes with back-off.
+    """
+    if backoff is None and not pieces:
+        return
+    what = "oom_backoff" if backoff is not None else "batch_schedule"
+    if compat.trainer_uses_deepspeed(trainer):
+        raise ConfigError(
+            f"{what}: DeepSpeed's engine owns the accumulation steps and the backward, so a step of several "
+            f"pieces cannot run through it; train without DeepSpeed, or set {what}=None"
+        )
+    if backoff is not None and trainer.args.world_size > 1 and compat.trainer_uses_fsdp(trainer):
+        raise ConfigError(
+            "oom_backoff on several processes needs DDP: FSDP gathers parameters inside every forward and "
+            "backward, so a rank that runs out of memory half-way would leave the others waiting in a "
+            "collective. Set oom_backoff=False (or train with DDP)"
+        )
+
+
+class AdaptiveMixin:
+    """Trainer overrides for steps run as pieces; state on ``self.smart_batching``
+    (``batch_schedule``, ``lr_scaling``, ``backoff``, ``backoff_state``, ``step``)."""
+
+    def _setup_adaptive(self, batch_schedule: Any, lr_scaling: Any, oom_backoff: Any) -> None:
+        sb = self.smart_batching
+        sb.lr_scaling = check_lr_scaling(lr_scaling)
+        if batch_schedule is not None:
+            sb.batch_schedule = BatchSchedule.parse(batch_schedule, unit=schedule_unit(sb.spec))
+        if sb.lr_scaling is not None and sb.batch_schedule is None:
+            raise ConfigError(
+                f"lr_scaling={sb.lr_scaling!r} scales the learning rate of steps whose size a batch_schedule "
+                "changes: give batch_schedule= too, or set lr_scaling=None"
+            )
+        sb.backoff, sb.backoff_state = backoff_setup(self, oom_backoff, sb.batch_schedule is not None)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # The back-off's count goes into the Trainer's log history (trainer_state.json) with the loss.
+        if self.smart_batching.backoff is not None:
+            logs["oom_backoffs"] = self.smart_batching.backoff_state.num_backoffs
+        super().log(logs, *args, **kwargs)
+
+    # -- the step's micro-batches ------------------------------------------------------------------------
+
+    def _adaptive_active(self) -> bool:
+        sb = self.smart_batching
+        return sb.backoff is not None or sb.batch_schedule is not None
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list, Any]:
+        if not self._adaptive_active():
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        items = []
+        for _ in range(num_batches):
+            try:
+                items.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        flat = [mb for item in items for mb in (item if isinstance(item, MicroBatches) else [item])]
+        _, num_items = super().get_batch_samples(iter(flat), len(flat), device)  # counted over micro-batches
+        self.smart_batching.step = StepRun(batches=flat)
+        return items, num_items
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        self.smart_batching.forward_done = True  # a failure from here on is in backward
+        return out
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        if isinstance(inputs, MicroBatches):
+            return sum(super(AdaptiveMixin, self).floating_point_ops(mb) for mb in inputs)
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        if isinstance(inputs, MicroBatches):
+            for mb in inputs:
+                super()._track_num_input_tokens(mb)
+            return
+        super()._track_num_input_tokens(inputs)
+
+    # -- one micro-batch, as pieces ----------------------------------------------------------------------
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        sb = self.smart_batching
+        bundle = isinstance(inputs, MicroBatches)
+        if sb.backoff is None and not bundle:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if sb.step is None:  # called outside the Trainer's loop (a test, a custom loop)
+            sb.step = StepRun(batches=list(inputs) if bundle else [inputs])
+        micro = list(inputs) if bundle else [inputs]
+        losses = []
+        for k, mb in enumerate(micro):
+            losses.extend(self._run_micro_batch(model, mb, num_items_in_batch, final=k == len(micro) - 1))
+            sb.step.position += 1
+        if sb.backoff is not None and self.accelerator.sync_gradients:
+            self._end_of_step(model, micro[0], num_items_in_batch)
+        return torch.stack([loss.reshape(()) for loss in losses]).sum()
+
+    def _deferred_sync(self) -> bool:
+        """Back-off on several processes: pieces run locally, gradients are synchronised at the step's end."""
+        return self.smart_batching.backoff is not None and self.args.world_size > 1
+
+    def _local_model(self, model: Any) -> Any:
+        if self._deferred_sync():
+            return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        return model
+
+    def _pieces(self, inputs: Any) -> list[Any]:
+        sb = self.smart_batching
+        budget = sb.backoff_state.budget if sb.backoff is not None else None
+        if budget is None or token_slots(inputs) <= budget:
+            return [inputs]
+        pieces = split_inputs(inputs, budget)
+        if len(pieces) > 1:
+            sb.backoff_state.num_split += 1
+        return pieces
+
+    def _run_micro_batch(
+        self, model: Any, inputs: Any, num_items: Any, *, final: bool, replaying: bool = False
+    ) -> list[torch.Tensor]:
+        """Forward and backward of one micro-batch, as pieces within the budget; returns their losses."""
+        pieces = self._pieces(inputs)
+        losses: list[torch.Tensor] = []
+        i = 0
+        while i < len(pieces):
+            piece = pieces[i]
+            last = final and i == len(pieces) - 1
+            started = time.perf_counter()
+            failure = self._try_piece(model, piece, num_items, last, losses)
+            if failure is None:
+                i += 1
+                continue
+            stage, message = failure
+            parts = self._back_off(piece, stage, message, time.perf_counter() - started)
+            pieces[i : i + 1] = parts
+            if stage == "backward":
+                if replaying:
+                    raise _GradientsLost
+                self._restore_gradients(model, num_items, pieces[:i])
+        return losses
+
+    def _try_piece(
+        self, model: Any, piece: Any, num_items: Any, last: bool, losses: list[torch.Tensor]
+    ) -> tuple[str, str] | None:
+        """Run one piece; on running out of memory return ``(stage, message)`` with its memory freed."""
+        sb = self.smart_batching
+        sb.forward_done = False
+        local = self._local_model(model)
+        sync = nullcontext() if last or self._deferred_sync() else self.accelerator.no_sync(model)
+        fault = (
+            injected_fault(local, sb.backoff, token_slots(piece), self.args.process_index)
+            if sb.backoff is not None
+            else nullcontext()
+        )
+        try:
+            with sync, fault:
+                losses.append(super().training_step(local, piece, num_items))
+            return None
+        except Exception as exc:
+            if sb.backoff is None or not is_out_of_memory(exc):
+                raise
+            failure = ("backward" if sb.forward_done else "forward", str(exc).splitlines()[0])
+        free_memory()  # outside the except block: the exception and its frames are gone
+        return failure
+
+    def _back_off(self, piece: Any, stage: str, message: str, seconds: float) -> list[Any]:
+        """Lower the budget after ``piece`` failed and split it; refuse when it cannot shrink."""
+        sb = self.smart_batching
+        state = sb.backoff_state
+        slots = token_slots(piece)
+        budget = state.lower(slots, sb.backoff.factor)
+        parts = split_inputs(piece, budget)
+        if len(parts) < 2:
+            raise BackoffExhaustedError(
+                f"a micro-batch of {slots} token slots ran out of memory in {stage} ({message}) and cannot be "
+                "split further (it holds one example, or one row); lower max_length (or max_tokens / "
+                "capacity) so that no single example is this long"
+            )
+        state.budget = budget
+        state.num_failures += 1
+        state.failed_seconds += seconds
+        state.largest_failed = max(state.largest_failed or 0, slots)
+        state.events.append(
+            {"step": int(self.state.global_step), "micro_batch": sb.step.position, "stage": stage,
+             "slots": slots, "budget": budget, "rank": int(self.args.process_index)}
+        )  # fmt: skip
+        sb.step.failed = True
+        warn_fallback(
+            "trainer.oom_backoff",
+            f"a micro-batch of {slots} token slots ran out of memory in {stage} ({message}); it was split "
+            f"into {len(parts)} pieces within the same optimizer step, and micro-batches over {budget} token "
+            "slots are split from now on (same loss and examples, more passes). Lower max_tokens / capacity "
+            "to plan smaller micro-batches from the start.",
+        )
+        return parts
+
+    def _restore_gradients(self, model: Any, num_items: Any, done: list[Any]) -> None:
+        """After a failure in backward: zero the gradients and run the step's earlier micro-batches and the
+        pieces already done again (their losses were counted the first time)."""
+        sb = self.smart_batching
+        started = time.perf_counter()
+        while True:
+            model.zero_grad(set_to_none=True)
+            try:
+                for mb in sb.step.batches[: sb.step.position]:
+                    self._run_micro_batch(model, mb, num_items, final=False, replaying=True)
+                for piece in done:
+                    self._run_micro_batch(model, piece, num_items, final=False, replaying=True)
+                break
+            except _GradientsLost:
+                continue
+        sb.backoff_state.failed_seconds += time.perf_counter() - started
+
+    def _end_of_step(self, model: Any, first: Any, num_items: Any) -> None:
+        """At the step's last micro-batch: agree on the budget across ranks and synchronise gradients."""
+        sb = self.smart_batching
+        state = sb.backoff_state
+        failed = sb.step.failed
+        if self.args.world_size > 1:
+            agreed = torch.tensor(
+                [int(failed), -(state.budget or _NO_BUDGET)], dtype=torch.int64, device=self.args.device
+            )
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            failed = bool(agreed[0].item())
+            budget = -int(agreed[1].item())
+            if budget != _NO_BUDGET and budget != state.budget:
+                state.budget = budget  # another rank backed off: every rank plans with the lowest budget
+                state.events.append(
+                    {"step": int(self.state.global_step), "micro_batch": None, "stage": "other rank",
+                     "slots": None, "budget": budget, "rank": int(self.args.process_index)}
+                )  # fmt: skip
+            self._synchronise_gradients(model, first, num_items)
+        if failed:
+            state.num_backoffs += 1
+            state.steps_since_failure = 0
+        else:
+            state.steps_since_failure += 1
+            self._maybe_regrow()
+
+    def _synchronise_gradients(self, model: Any, first: Any, num_items: Any) -> None:
+        """A two-token pass through the DDP model, its loss times 0: DDP all-reduces (averages) the
+        gradients the step's pieces accumulated locally, and broadcasts the buffers."""
+        piece = self._prepare_inputs(null_piece(first))
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, piece, num_items_in_batch=num_items)
+        self.accelerator.backward(loss * 0.0)
+
+    def _maybe_regrow(self) -> None:
+        sb = self.smart_batching
+        state, config = sb.backoff_state, sb.backoff
+        if (
+            config.regrow_steps is None
+            or state.budget is None
+            or state.steps_since_failure < config.regrow_steps
+        ):
+            return
+        ceiling = state.largest_failed or _NO_BUDGET
+        grown = int(state.budget / config.factor)
+        state.budget = None if grown >= ceiling else grown
+        state.steps_since_failure = 0
+        logger.info("smart batching: oom_backoff budget raised to %s token slots", state.budget)
+
+
+def backoff_setup(trainer: Any, oom_backoff: Any, pieces: bool) -> tuple[OomBackoff | None, BackoffState]:
+    """``oom_backoff=`` resolved and checked against the trainer's topology."""
+    config = OomBackoff.coerce(oom_backoff)
+    check_backoff_topology(trainer, config, pieces)
+    return config, BackoffState(budget=config.max_tokens if config is not None else None)
+
+
+__all__ = ["AdaptiveMixin", "BackoffExhaustedError", "StepRun", "backoff_setup", "check_backoff_topology"]
