@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from smart_batching.autotune import (
+from smart_batching.adaptive.autotune import (
     _peak_rss_bytes,
     accumulation_steps_for,
     costliest_batch_shape,

@@ -17,11 +17,11 @@ pytest.importorskip("matplotlib")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from smart_batching import zoo as bench_models  # noqa: E402
 from smart_batching.bench.report import fmt_spread, render_report, speed_ratios, summary_table  # noqa: E402
 from smart_batching.bench.runner import RECORD_FIELDS, read_records, run_bench  # noqa: E402
 from smart_batching.cli import main  # noqa: E402
 from smart_batching.data.tasks import gsm8k_answer, gsm8k_exact_match  # noqa: E402
+from smart_batching.models import zoo as bench_models  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MICRO = {

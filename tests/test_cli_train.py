@@ -65,7 +65,7 @@ def test_checkpoints_and_resume_mid_run(capsys, tmp_path):
 
 
 def test_a_model_folder_trains(capsys, tmp_path):
-    from smart_batching.zoo import load_training_model
+    from smart_batching.models.zoo import load_training_model
 
     tiny = load_training_model("tiny-llama")
     folder = tmp_path / "model"

@@ -138,6 +138,16 @@ def test_keeping_the_first_layers_gives_a_model_of_that_depth(llama):
     assert out.shape == (1, 7)
 
 
+def test_lr_scheduler_types_are_what_training_arguments_takes(tmp_path):
+    from transformers import TrainingArguments
+
+    names = compat.lr_scheduler_types()
+    assert {"constant", "linear", "cosine"} <= set(names)
+    for name in names[:3]:
+        args = TrainingArguments(output_dir=str(tmp_path), lr_scheduler_type=name, use_cpu=True, report_to=[])
+        assert args.lr_scheduler_type == name
+
+
 def test_causal_lm_class_names_include_llama():
     names = compat.causal_lm_class_names()
     assert "LlamaForCausalLM" in names and "BertModel" not in names

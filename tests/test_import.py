@@ -10,7 +10,8 @@ HEAVY = ("transformers", "datasets", "matplotlib", "torch", "accelerate", "trl")
 
 def test_top_level_import_is_light() -> None:
     code = (
-        "import sys, smart_batching, smart_batching.planners, smart_batching.plan, smart_batching.distributed;"
+        "import sys, smart_batching, smart_batching.planners, smart_batching.plan, smart_batching.distributed,"
+        " smart_batching.models, smart_batching.adaptive;"
         f"print([m for m in {HEAVY!r} if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -23,3 +24,15 @@ def test_public_surface() -> None:
     for name in ("plan_batches", "BatchPlan", "PlanStats", "PackedSpec", "TokenBudgetSpec", "STRATEGIES"):
         assert hasattr(sb, name), name
     assert set(sb.STRATEGIES) == {"random", "max_length", "group_by_length", "token_budget", "packed"}
+
+
+def test_package_root_holds_at_most_ten_modules() -> None:
+    """Subsystems live in packages; the root keeps the values, errors and the few cross-cutting modules
+    (README "Layout"). ``__init__`` and ``__main__`` are the package itself, not modules of it."""
+    from pathlib import Path
+
+    import smart_batching
+
+    root = Path(smart_batching.__file__).parent
+    modules = sorted(p.name for p in root.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(modules) <= 10, f"{len(modules)} modules at the package root: {modules}"

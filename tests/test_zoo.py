@@ -1,4 +1,4 @@
-"""Bench models by name (:mod:`smart_batching.zoo`): SmolLM2 cut to its first layers, and the first
+"""Bench models by name (:mod:`smart_batching.models.zoo`): SmolLM2 cut to its first layers, and the first
 conversion of the GGUF file giving the same model as the cache."""
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ needs_smollm2 = pytest.mark.skipif(
     ],
 )
 def test_smollm2_options_are_checked_before_loading(options, message):
-    from smart_batching.zoo import load_training_model
+    from smart_batching.models.zoo import load_training_model
 
     with pytest.raises(ConfigError, match=message):
         load_training_model("smollm2", model_options=options)
 
 
 def test_model_options_are_refused_for_minilm():
-    from smart_batching.zoo import load_training_model
+    from smart_batching.models.zoo import load_training_model
 
     with pytest.raises(ConfigError, match="model_options= applies to"):
         load_training_model("minilm", model_options={"num_hidden_layers": 2})
@@ -43,7 +43,7 @@ def test_smollm2_first_layers_keep_its_weights():
     import torch
 
     from smart_batching.models import load_model
-    from smart_batching.zoo import load_training_model
+    from smart_batching.models.zoo import load_training_model
 
     full = load_model("smollm2", dtype=torch.float32, device="cpu")
     cut = load_training_model("smollm2", model_options={"num_hidden_layers": 2})

@@ -6,7 +6,6 @@ by the modules that need them, when they are used.
 
 from __future__ import annotations
 
-from smart_batching import _moved
 from smart_batching.errors import ConfigError, DataError, OverlongError, SmartBatchingError
 from smart_batching.plan import BatchPlan, PlanStats, packing_lower_bound
 from smart_batching.planners import (
@@ -21,8 +20,6 @@ from smart_batching.planners import (
 )
 
 __version__ = "0.1.0"
-
-_moved.install()  # old module paths (smart_batching.data.lengths, ...) keep working
 
 __all__ = [
     "STRATEGIES",

@@ -1,8 +1,8 @@
 """Every upstream detail the library depends on (transformers, accelerate, TRL), read in one place.
 
-Names, signatures and private hooks of the HF stack move between releases: transformers 5.24 renamed the
-model's ``past_key_values`` argument to ``cache``, and a decoding path that tested the signature for the
-old name silently fell back to ``model.generate``. Each such detail is one small function here, with a
+Names, signatures and private hooks of the HF stack move between releases (the model's KV-cache argument
+is ``cache`` from transformers 5.24 on and ``past_key_values`` before it; a decoding path that tests the
+signature for one name only would silently take the slow path on the other). Each such detail is one small function here, with a
 test of its own in ``tests/test_compat.py`` that runs it on the installed upstream: when upstream moves,
 that test fails and names what moved, and this module is the one place to change.
 
@@ -19,6 +19,7 @@ attention registries                      :func:`register_attention`, :func:`reg
 SDPA kernel and mask builder              :func:`sdpa_attention_forward`, :func:`sdpa_mask`
 switching attention on a loaded model     :func:`set_attn_implementation`, :func:`can_set_attn_implementation`
 causal-LM classes                         :func:`causal_lm_class_names`
+learning-rate schedule names              :func:`lr_scheduler_types`
 a decoder's layer stack                   :func:`keep_first_layers`
 Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
                                           :data:`TRAINER_ATTRIBUTES`
@@ -159,6 +160,14 @@ def keep_first_layers(model: Any, k: int) -> None:
 
 
 @functools.cache
+@functools.cache
+def lr_scheduler_types() -> tuple[str, ...]:
+    """The ``lr_scheduler_type`` names ``TrainingArguments`` takes (``"linear"``, ``"cosine"``, ...)."""
+    from transformers.trainer_utils import SchedulerType
+
+    return tuple(s.value for s in SchedulerType)
+
+
 def causal_lm_class_names() -> frozenset[str]:
     """Class names of every causal LM that transformers' ``AutoModelForCausalLM`` maps to."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -2,10 +2,11 @@
 
 ::
 
-    from smart_batching.bench import run_bench, render_report, summary_table
+    from smart_batching.bench import BenchConfig, run_bench, render_report, summary_table
 
-    records = run_bench("gsm8k/train.jsonl", model="tiny-llama", strategies=("random", "packed"),
-                        max_steps=40, out_dir="out/bench")      # writes out/bench/records.jsonl + report
+    config = BenchConfig(data="gsm8k/train.jsonl", model="tiny-llama", strategies=("random", "packed"),
+                         max_steps=40, out_dir="out/bench")
+    records = run_bench(config)                      # writes out/bench/records.jsonl + report
     print(summary_table(records))
 
 Measuring (:mod:`.runner`) and rendering (:mod:`.report`) are separate: a bench appends one JSON
@@ -20,11 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["read_records", "render_report", "run_bench", "run_demo_bench", "summary_table"]
+__all__ = ["BenchConfig", "read_records", "render_report", "run_bench", "run_demo_bench", "summary_table"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `smart_batching.bench.report` must not pull in transformers, the runner does.
+    if name == "BenchConfig":
+        from smart_batching.bench.config import BenchConfig
+
+        return BenchConfig
     if name in ("run_bench", "read_records"):
         from smart_batching.bench import runner
 

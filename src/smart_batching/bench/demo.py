@@ -1,10 +1,9 @@
 """The short training bench of ``smart-batching demo`` (``make demo``).
 
-:func:`run_demo_bench` fine-tunes ``tiny-llama`` on the first :data:`DEMO_SETTINGS` ``num_examples``
+:func:`run_demo_bench` fine-tunes ``tiny-llama`` on the first :data:`DEMO_CONFIG` ``num_examples``
 examples of the embedded default dataset once per strategy (all five, one seed), truncated at 256
 tokens, and writes the records and the report under ``out_dir``. Sized to finish within 3 minutes
-on 2 CPU cores. Measured on a 2-core AMD EPYC VM (torch 2.13 CPU): 51 s for the whole process with
-no other work running, 152 s with two other CPU-bound processes (load average about 2.5).
+on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -12,23 +11,25 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
+from smart_batching.bench.config import BenchConfig
 from smart_batching.planners import STRATEGIES
 
-DEMO_SETTINGS: dict[str, Any] = {
-    "data": "default",
-    "model": "tiny-llama",
-    "strategies": STRATEGIES,
-    "seeds": (0,),
-    "num_examples": 64,
-    "batch_size": 8,
-    "max_length": 256,
-    "eval_examples": 32,
-    "num_generations": 2,
-    "max_new_tokens": 24,
-}
-"""What the demo bench runs (passed to :func:`~smart_batching.bench.runner.run_bench`)."""
+DEMO_CONFIG = BenchConfig(
+    data="default",
+    model="tiny-llama",
+    strategies=STRATEGIES,
+    seeds=(0,),
+    num_examples=64,
+    batch_size=8,
+    max_length=256,
+    eval_examples=32,
+    num_generations=2,
+    max_new_tokens=24,
+    render=False,
+)
+"""What the demo bench runs (:func:`~smart_batching.bench.runner.run_bench`; ``out_dir`` and
+``progress`` are set per call)."""
 
 
 def run_demo_bench(out_dir: str | os.PathLike, *, progress: bool = True) -> tuple[Path, Path, str]:
@@ -48,7 +49,7 @@ def run_demo_bench(out_dir: str | os.PathLike, *, progress: bool = True) -> tupl
 
     out = Path(out_dir)
     start = time.perf_counter()
-    run_bench(out_dir=out, append=False, render=False, progress=progress, **DEMO_SETTINGS)
+    run_bench(DEMO_CONFIG, out_dir=out, progress=progress)
     records_path = out / RECORDS_NAME
     if not records_path.exists():
         raise KeyboardInterrupt  # interrupted before the first run finished: nothing to report
@@ -58,4 +59,4 @@ def run_demo_bench(out_dir: str | os.PathLike, *, progress: bool = True) -> tupl
     return records_path, paths.html, table
 
 
-__all__ = ["DEMO_SETTINGS", "run_demo_bench"]
+__all__ = ["DEMO_CONFIG", "run_demo_bench"]

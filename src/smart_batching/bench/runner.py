@@ -44,12 +44,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from smart_batching.bench.config import DEFAULT_LR, BenchConfig
 from smart_batching.bench.machine import machine_info, usable_cores, versions
 from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_record, read_records
 from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
@@ -58,7 +59,6 @@ from smart_batching.errors import ConfigError
 from smart_batching.planners import STRATEGIES, spec_class
 
 DEFAULT_STRATEGIES = STRATEGIES
-DEFAULT_LR = {"causal": 1e-3, "smollm2": 5e-5, "classifier": 1e-4}
 TOKEN_ROUNDING = 64
 
 
@@ -119,197 +119,74 @@ def matched_budgets(
     return budgets
 
 
-def run_bench(
-    data: Any = "default",
-    *,
-    model: Any = "tiny-llama",
-    tokenizer: Any = None,
-    strategies: Sequence[str] = DEFAULT_STRATEGIES,
-    seeds: Sequence[int] = (0,),
-    max_steps: int | None = None,
-    num_examples: int | None = None,
-    epochs: int = 1,
-    batch_size: int = 8,
-    max_tokens: int | None = None,
-    capacity: int | None = None,
-    max_length: int | None = None,
-    lr: float | None = None,
-    lr_schedule: str = "constant",
-    match_steps: bool = False,
-    eval_data: Any = None,
-    eval_examples: int = 64,
-    eval_batch_size: int = 8,
-    num_generations: int | None = None,
-    max_new_tokens: int | None = None,
-    out_dir: str | os.PathLike = "out/bench",
-    append: bool = False,
-    render: bool = True,
-    progress: bool = True,
-    device: Any = None,
-    threads: int | None = None,
-    nproc: int = 1,
-    model_options: dict[str, Any] | None = None,
-    callbacks: Sequence[Any] = (),
-    on_record: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Fine-tune ``model`` on ``data`` once per strategy and seed; write and return one record per run.
+def run_bench(config: BenchConfig | Any = None, /, **fields: Any) -> list[dict[str, Any]]:
+    """Fine-tune one model once per strategy and seed; write and return one record per run.
 
     Args:
-        data: ``"default"`` (embedded dataset), a data file or folder, or a ``datasets.Dataset``.
-        model: ``"tiny-llama"``, ``"smollm2"``, ``"minilm"`` or a transformers model object.
-        tokenizer: tokenizer name or object; None means the model's own (``smollm2`` for the Llamas).
-        strategies: strategy names, in run order (``random`` first: speed ratios are against it).
-        seeds: planner and Trainer seeds; every strategy runs once per seed. The initial weights are
-            the same for all.
-        max_steps: train on ``max_steps * batch_size`` examples (ignored when ``num_examples`` is given).
-        num_examples: training examples (the first ones); None (and no ``max_steps``) means all.
-        epochs: full passes over the training examples, the same for every strategy.
-        batch_size: examples per batch for ``random``, ``max_length``, ``group_by_length``.
-        max_tokens: padded tokens per ``token_budget`` batch; None means ``batch_size`` × mean length
-            rounded up to 64 (at least the longest example).
-        capacity: tokens per ``packed`` row (one row per batch); None as ``max_tokens``.
-        max_length: truncate examples to this many tokens, once, for every strategy; None keeps all.
-        lr: peak learning rate; None means 1e-3 (tiny-llama), 5e-5 (smollm2), 1e-4 (minilm).
-        lr_schedule: the Trainer's ``lr_scheduler_type`` (``"constant"``, ``"linear"`` decay to 0, ...),
-            the same for every run.
-        match_steps: give ``token_budget`` and ``packed`` rows (and their variants) the smallest budget
-            (``max_tokens`` / ``capacity``, found by bisection over their plans for every seed) whose
-            plans have no more batches than fixed batches of ``batch_size``: every strategy then takes
-            about the same optimizer steps (never more) with about the same tokens each (the budgets
-            are in the records' ``strategy_options``). False: ``max_tokens`` and ``capacity`` as given
-            or derived.
-        eval_data: held-out data; None picks a dev/test split or sibling file, else holds out the
-            last ``eval_examples`` records.
-        eval_examples: held-out examples for eval loss (and accuracy).
-        eval_batch_size: examples per padded eval batch.
-        num_generations: held-out prompts to generate for (GSM8K: the exact-match sample); None means
-            16 for GSM8K, 4 for other text, 8 sample predictions for classification.
-        max_new_tokens: greedy generation length; None means 256 for GSM8K, 48 otherwise.
-        out_dir: folder for ``records.jsonl`` and the report.
-        append: add to an existing ``records.jsonl`` (the report shows every bench in it) instead of
-            starting a new one.
-        render: render the report when done (also after Ctrl-C).
-        progress: a line per step of the setup and per finished run on stderr, and a tqdm bar per run
-            when stderr is a terminal.
-        device: torch device; None means CUDA when available, else CPU.
-        threads: torch CPU threads during the bench (restored afterwards); None leaves torch's setting.
-            On a machine shared with other work, 1 thread makes ``cpu_seconds`` a clean measure of work.
-            With ``nproc > 1``: threads of each process; None means the usable cores / ``nproc``.
-        nproc: processes each run trains on (torchrun; gloo on CPU, NCCL with one GPU per process),
-            all over one balanced plan (:mod:`.multiprocess`). 1 trains in this process.
-        model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
-            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
-        callbacks: extra ``TrainerCallback`` objects for every run (``nproc=1`` only: they live in this
-            process).
-        on_record: called with each record as soon as it is written.
+        config: a :class:`~smart_batching.bench.config.BenchConfig`, or the data (``"default"``, a
+            file or folder, a ``datasets.Dataset``); None means the defaults.
+        **fields: :class:`~smart_batching.bench.config.BenchConfig` fields, applied over ``config``
+            (``run_bench("gsm8k/train.jsonl", max_steps=40)``, ``run_bench(config, seeds=(0, 1))``).
 
     Returns:
         The records of the runs that finished (all of them unless interrupted with Ctrl-C).
+
+    Raises:
+        ConfigError: a field out of range (named), before anything loads.
     """
     import torch
 
-    strategies = list(strategies)
-    seeds = [int(x) for x in seeds]
-    if not strategies:
-        raise ConfigError("strategies= is empty; name at least one strategy")
-    if not seeds:
-        raise ConfigError("seeds= is empty; give at least one seed")
-    for name, value in (("batch_size", batch_size), ("epochs", epochs), ("eval_examples", eval_examples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    for name in strategies:
-        strategy_options(name, batch_size=batch_size, max_tokens=1, capacity=1)  # unknown names fail here
-    if num_examples is None and max_steps is not None:
-        num_examples = max_steps * batch_size
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads={threads!r} must be a positive integer or None")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ConfigError(f"nproc={nproc!r} must be a positive integer (processes per run)")
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if nproc > 1 and callbacks:
-        raise ConfigError("callbacks= run in this process only; they cannot be combined with nproc > 1")
-    if nproc > 1 and dev.type == "cuda" and nproc > torch.cuda.device_count():
+    config = BenchConfig.of(config, **fields)
+    dev = torch.device(
+        config.device if config.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if config.nproc > 1 and dev.type == "cuda" and config.nproc > torch.cuda.device_count():
         raise ConfigError(
-            f"nproc={nproc} needs one GPU per process, but {torch.cuda.device_count()} are visible; "
+            f"nproc={config.nproc} needs one GPU per process, but {torch.cuda.device_count()} are visible; "
             "lower nproc or train on the CPU (device='cpu')"
         )
     previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     try:
-        return _run_bench(
-            data, model=model, tokenizer=tokenizer, strategies=strategies, seeds=seeds, num_examples=num_examples,
-            max_steps=max_steps, epochs=epochs, batch_size=batch_size, max_tokens=max_tokens, capacity=capacity,
-            max_length=max_length, lr=lr, lr_schedule=lr_schedule, match_steps=match_steps, eval_data=eval_data, eval_examples=eval_examples,
-            eval_batch_size=eval_batch_size, num_generations=num_generations, max_new_tokens=max_new_tokens,
-            out_dir=out_dir, append=append, render=render, progress=progress, dev=dev, nproc=nproc,
-            threads=threads, model_options=model_options, callbacks=callbacks, on_record=on_record,
-        )  # fmt: skip
+        return _run_bench(config, dev)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run_bench(
-    data: Any,
-    *,
-    model: Any,
-    tokenizer: Any,
-    strategies: list[str],
-    seeds: list[int],
-    num_examples: int | None,
-    max_steps: int | None,
-    epochs: int,
-    batch_size: int,
-    max_tokens: int | None,
-    capacity: int | None,
-    max_length: int | None,
-    lr: float | None,
-    lr_schedule: str,
-    match_steps: bool,
-    eval_data: Any,
-    eval_examples: int,
-    eval_batch_size: int,
-    num_generations: int | None,
-    max_new_tokens: int | None,
-    out_dir: str | os.PathLike,
-    append: bool,
-    render: bool,
-    progress: bool,
-    dev: Any,
-    nproc: int,
-    threads: int | None,
-    model_options: dict[str, Any] | None,
-    callbacks: Sequence[Any],
-    on_record: Callable[[dict[str, Any]], None] | None,
-) -> list[dict[str, Any]]:
-    from smart_batching.zoo import DEFAULT_TOKENIZERS, load_training_model
+def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
+    from smart_batching.models.zoo import DEFAULT_TOKENIZERS, load_training_model
 
-    out = Path(out_dir)
+    c = config
+    out = Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records_path = out / RECORDS_NAME
-    if not append and records_path.exists():
+    if not c.append and records_path.exists():
         records_path.unlink()
 
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    say(f"loading model {model if isinstance(model, str) else type(model).__name__} ...")
-    bm = load_training_model(model, tokenizer=tokenizer, model_options=model_options)
-    say(f"preparing data {data if isinstance(data, (str, os.PathLike)) else type(data).__name__} ...")
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if c.progress else (lambda msg: None)
+    say(f"loading model {c.model if isinstance(c.model, str) else type(c.model).__name__} ...")
+    model_options = dict(c.model_options) if c.model_options is not None else None
+    bm = load_training_model(c.model, tokenizer=c.tokenizer, model_options=model_options)
+    say(f"preparing data {c.data if isinstance(c.data, (str, os.PathLike)) else type(c.data).__name__} ...")
     bench_data = prepare_training_data(
-        data,
+        c.data,
         tokenizer=bm.tokenizer,
         model_kind=bm.kind,
-        eval_data=eval_data,
-        num_examples=num_examples,
-        eval_examples=eval_examples,
-        max_length=max_length,
-        num_prompts=num_generations,
+        eval_data=c.eval_data,
+        num_examples=c.train_examples,
+        eval_examples=c.eval_examples,
+        max_length=c.max_length,
+        num_prompts=c.num_generations,
     )
     task = bench_data.task
-    mt, cap = _resolve_sizes(bench_data.lengths, batch_size, max_tokens, capacity)
+    strategies, seeds = list(c.strategies), list(c.seeds)
+    mt, cap = _resolve_sizes(bench_data.lengths, c.batch_size, c.max_tokens, c.capacity)
+    lr = c.lr
     if lr is None:
         lr = DEFAULT_LR["smollm2"] if bm.name == "smollm2" else DEFAULT_LR[bm.kind]
     tok_name = (
-        tokenizer if isinstance(tokenizer, str) else DEFAULT_TOKENIZERS.get(bm.name, bm.info["tokenizer"])
+        c.tokenizer if isinstance(c.tokenizer, str) else DEFAULT_TOKENIZERS.get(bm.name, bm.info["tokenizer"])
     )
     settings = {
         "model": bm.name,
@@ -318,30 +195,30 @@ def _run_bench(
         "strategies": strategies,
         "seeds": seeds,
         "num_examples": bench_data.num_train,
-        "max_steps": max_steps,
-        "epochs": epochs,
-        "batch_size": batch_size,
+        "max_steps": c.max_steps,
+        "epochs": c.epochs,
+        "batch_size": c.batch_size,
         "max_tokens": mt,
         "capacity": cap,
-        "max_length": max_length,
+        "max_length": c.max_length,
         "lr": lr,
-        "lr_schedule": lr_schedule,
-        "budgets": matched_budgets(bench_data.lengths, strategies, batch_size, mt, cap, seeds)
-        if match_steps
+        "lr_schedule": c.lr_schedule,
+        "budgets": matched_budgets(bench_data.lengths, strategies, c.batch_size, mt, cap, seeds)
+        if c.match_steps
         else {},
         "optimizer": "adamw_torch",
         "max_grad_norm": 1.0,
         "eval_examples": len(bench_data.eval),
-        "eval_batch_size": eval_batch_size,
+        "eval_batch_size": c.eval_batch_size,
         "num_generations": len(bench_data.prompts),
-        "max_new_tokens": max_new_tokens or (256 if task == "gsm8k" else 48),
+        "max_new_tokens": c.max_new_tokens or (256 if task == "gsm8k" else 48),
         "device": dev.type,
-        "nproc": nproc,
+        "nproc": c.nproc,
     }
     machine = machine_info(dev)
-    threads_per_rank = threads or max(1, usable_cores() // nproc)
-    if nproc > 1:
-        machine.update(processes=nproc, torch_threads=threads_per_rank)
+    threads_per_rank = c.threads or max(1, usable_cores() // c.nproc)
+    if c.nproc > 1:
+        machine.update(processes=c.nproc, torch_threads=threads_per_rank)
     bench = BenchContext(
         bench_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
         model=bm,
@@ -353,13 +230,13 @@ def _run_bench(
         eval_initial={},
         records_path=records_path,
     )
-    if nproc == 1:
+    if c.nproc == 1:
         say("warming up (planner compilation, first batches) ...")
         warmup(bench, strategies)
     else:
         from smart_batching.bench.multiprocess import RankLauncher, check_world
 
-        check_world(bench, strategies, seeds, nproc)  # before any process starts
+        check_world(bench, strategies, seeds, c.nproc)  # before any process starts
     say("evaluating the initial weights ...")
     initial_model = bm.fresh(dev)
     ev, metric, _ = evaluate_model(bench, initial_model)
@@ -369,17 +246,17 @@ def _run_bench(
     runs = [(strategy, seed) for seed in seeds for strategy in strategies]
     records: list[dict[str, Any]] = []
     launcher = None
-    if nproc > 1:
-        say(f"each run trains on {nproc} processes (torchrun, {threads_per_rank} CPU thread(s) each) ...")
-        launcher = RankLauncher(bench, nproc, threads_per_rank=threads_per_rank, progress=progress)
+    if c.nproc > 1:
+        say(f"each run trains on {c.nproc} processes (torchrun, {threads_per_rank} CPU thread(s) each) ...")
+        launcher = RankLauncher(bench, c.nproc, threads_per_rank=threads_per_rank, progress=c.progress)
     try:
         for i, (strategy, seed) in enumerate(runs):
-            rec = run_one(bench, strategy, seed, i, len(runs), callbacks, progress, launcher)
+            rec = run_one(bench, strategy, seed, i, len(runs), c.callbacks, c.progress, launcher)
             append_record(records_path, rec)
             records.append(rec)
             say(_run_line(rec))
-            if on_record is not None:
-                on_record(rec)
+            if c.on_record is not None:
+                c.on_record(rec)
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: kept {len(records)} finished run(s) of {len(runs)} in {records_path}",
@@ -389,7 +266,7 @@ def _run_bench(
     finally:
         if launcher is not None:
             launcher.close()
-    if render and records:
+    if c.render and records:
         from smart_batching.bench.report import render_report
 
         render_report(records_path, out)
@@ -412,6 +289,7 @@ def _run_line(rec: dict[str, Any]) -> str:
 
 __all__ = [
     "DEFAULT_STRATEGIES",
+    "BenchConfig",
     "RECORDS_NAME",
     "RECORD_FIELDS",
     "append_record",

@@ -154,7 +154,7 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
     import torch
     from transformers import TrainingArguments
 
-    from smart_batching.zoo import BENCH_MODELS
+    from smart_batching.models.zoo import BENCH_MODELS
 
     s = bench.settings
     cuda = torch.device(bench.device).type == "cuda"

@@ -161,6 +161,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from smart_batching.bench.config import BenchConfig
     from smart_batching.bench.report import summary_table
     from smart_batching.bench.runner import RECORDS_NAME, run_bench
     from smart_batching.planners import split_strategies
@@ -172,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
         def emit(record: dict[str, Any]) -> None:
             print(json.dumps(record, ensure_ascii=False), flush=True)
 
-    records = run_bench(
-        args.data,
+    config = BenchConfig(
+        data=args.data,
         model=args.model,
         tokenizer=args.tokenizer,
         strategies=strategies,
@@ -198,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         on_record=emit,
     )
+    records = run_bench(config)
     out = Path(args.out)
     stream = sys.stderr if args.json else sys.stdout
     if not records:

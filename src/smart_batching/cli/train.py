@@ -117,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
     from smart_batching.data.tasks import prepare_training_data
     from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.hf import SmartBatchingTrainer, make_collator
+    from smart_batching.models.zoo import load_training_model
     from smart_batching.planners import Knobs
-    from smart_batching.zoo import load_training_model
 
     # Examples are truncated to --max-length, so every budget must hold one (checked before anything
     # loads); rows padded to one width are --max-length wide.

@@ -225,10 +225,10 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         self, strategy: Any, options: dict[str, Any], lengths: Any, length_column: str | None
     ) -> tuple[dict[str, Any], int]:
         """``max_tokens="auto"`` / ``capacity="auto"``: the largest budget whose costliest batch trains
-        within memory (:func:`smart_batching.autotune.find_max_tokens`). ``memory_cap_bytes`` (required on
+        within memory (:func:`smart_batching.adaptive.autotune.find_max_tokens`). ``memory_cap_bytes`` (required on
         CPU) caps the peak; ``tokens_per_step`` keeps the tokens of an optimizer step constant by setting
         ``gradient_accumulation_steps``."""
-        from smart_batching.autotune import accumulation_steps_for, find_max_tokens
+        from smart_batching.adaptive.autotune import accumulation_steps_for, find_max_tokens
 
         key = "max_tokens" if options.get("max_tokens") == "auto" else "capacity"
         cap = options.pop("memory_cap_bytes", None)

@@ -1,0 +1,200 @@
+"""``BenchConfig``: every setting of one ``smart-batching bench``, as one frozen, validated value.
+
+:func:`~smart_batching.bench.runner.run_bench` takes a config, or the same fields as keywords::
+
+    from smart_batching.bench import BenchConfig, run_bench
+
+    config = BenchConfig(data="gsm8k/train.jsonl", strategies=("random", "packed"), max_steps=40)
+    run_bench(config)
+    run_bench(config, seeds=(0, 1))                 # the same config with fields replaced
+    run_bench("gsm8k/train.jsonl", max_steps=40)    # keywords build the config
+
+Every check runs when the config is made, before any model or data loads, and a refusal names the
+field to change (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from smart_batching.errors import ConfigError
+from smart_batching.planners import STRATEGIES, parse_strategy
+
+DEFAULT_LR = {"causal": 1e-3, "smollm2": 5e-5, "classifier": 1e-4}
+"""Peak learning rate when ``lr`` is None: by model kind, and for SmolLM2 (pretrained) its own."""
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"BenchConfig: {name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What a bench trains, on what, how often, and where it writes.
+
+    Attributes:
+        data: ``"default"`` (the embedded dataset), a data file or folder, or a ``datasets.Dataset``.
+        model: ``"tiny-llama"``, ``"smollm2"``, ``"minilm"`` or a transformers model object.
+        tokenizer: a tokenizer name or object; None means the model's own (``smollm2`` for the Llamas).
+        strategies: strategy names, in run order (``random`` first: speed ratios are against it);
+            options by name are allowed (``token_budget[window=512]``).
+        seeds: planner and Trainer seeds; every strategy runs once per seed from the same initial weights.
+        max_steps: train on ``max_steps * batch_size`` examples (ignored when ``num_examples`` is given).
+        num_examples: training examples (the first ones); None (and no ``max_steps``) means all.
+        epochs: full passes over the training examples, the same for every strategy.
+        batch_size: examples per batch of ``random``, ``max_length`` and ``group_by_length``.
+        max_tokens: padded tokens per ``token_budget`` batch; None means ``batch_size`` × the mean length
+            rounded up to 64 tokens (at least the longest example).
+        capacity: tokens per ``packed`` row (one row per batch); None as ``max_tokens``.
+        max_length: truncate examples to this many tokens, once, for every strategy; None keeps all.
+        lr: peak learning rate; None means :data:`DEFAULT_LR` for the model.
+        lr_schedule: the Trainer's ``lr_scheduler_type`` (``"constant"``, ``"linear"`` decay to 0, ...),
+            the same for every run.
+        match_steps: give ``token_budget`` and ``packed`` rows the smallest budget (``max_tokens`` /
+            ``capacity``, bisected over their plans for every seed) whose plans have no more batches
+            than fixed batches of ``batch_size``, so every strategy takes about the same optimizer
+            steps (never more); False keeps ``max_tokens`` and ``capacity`` as given or derived.
+        eval_data: held-out data; None picks a dev/test split or sibling file, else holds out the last
+            ``eval_examples`` records.
+        eval_examples: held-out examples for the eval loss (and accuracy).
+        eval_batch_size: examples per padded eval batch.
+        num_generations: held-out prompts to generate for (GSM8K: the exact-match sample); None means 16
+            for GSM8K, 4 for other text, 8 sample predictions for classification.
+        max_new_tokens: greedy generation length in tokens; None means 256 for GSM8K, 48 otherwise.
+        out_dir: folder for ``records.jsonl`` and the report.
+        append: add to an existing ``records.jsonl`` (the report shows every bench in it) instead of
+            starting a new one.
+        render: render the report when done (also after Ctrl-C).
+        progress: a line per set-up step and per finished run on stderr, and a tqdm bar per run when
+            stderr is a terminal.
+        device: torch device; None means CUDA when available, else CPU.
+        threads: torch CPU threads during the bench (restored afterwards); None leaves torch's setting.
+            On a shared machine 1 thread makes ``cpu_seconds`` a clean measure of work. With
+            ``nproc > 1``: threads of each process; None means the usable cores / ``nproc``.
+        nproc: processes each run trains on (torchrun; gloo on CPU, NCCL with one GPU per process), all
+            over one balanced plan; 1 trains in this process.
+        model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
+            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
+        callbacks: extra ``TrainerCallback`` objects for every run (``nproc=1`` only: they live in this
+            process).
+        on_record: called with each record as soon as it is written.
+    """
+
+    data: Any = "default"
+    model: Any = "tiny-llama"
+    tokenizer: Any = None
+    strategies: Sequence[str] = STRATEGIES
+    seeds: Sequence[int] = (0,)
+    max_steps: int | None = None
+    num_examples: int | None = None
+    epochs: int = 1
+    batch_size: int = 8
+    max_tokens: int | None = None
+    capacity: int | None = None
+    max_length: int | None = None
+    lr: float | None = None
+    lr_schedule: str = "constant"
+    match_steps: bool = False
+    eval_data: Any = None
+    eval_examples: int = 64
+    eval_batch_size: int = 8
+    num_generations: int | None = None
+    max_new_tokens: int | None = None
+    out_dir: str | os.PathLike = "out/bench"
+    append: bool = False
+    render: bool = True
+    progress: bool = True
+    device: Any = None
+    threads: int | None = None
+    nproc: int = 1
+    model_options: Mapping[str, Any] | None = None
+    callbacks: Sequence[Any] = ()
+    on_record: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.strategies, str):
+            raise ConfigError(
+                "BenchConfig: strategies= must be a sequence of names, e.g. ('random', 'packed'); "
+                f"got the string {self.strategies!r} (split a comma-separated list first)"
+            )
+        object.__setattr__(self, "strategies", tuple(self.strategies))
+        if not self.strategies:
+            raise ConfigError("BenchConfig: strategies= is empty; name at least one strategy")
+        try:
+            seeds = tuple(int(s) for s in self.seeds)
+        except (TypeError, ValueError):
+            raise ConfigError(f"BenchConfig: seeds= must be integers, got {self.seeds!r}") from None
+        if not seeds:
+            raise ConfigError("BenchConfig: seeds= is empty; give at least one seed")
+        if any(s < 0 for s in seeds):
+            raise ConfigError(f"BenchConfig: seeds= must be non-negative, got {list(seeds)}")
+        object.__setattr__(self, "seeds", seeds)
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))
+        for name in ("epochs", "batch_size", "eval_examples", "eval_batch_size", "nproc"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_steps", "num_examples", "max_tokens", "capacity", "max_length", "threads"):
+            _positive_int(name, getattr(self, name), allow_none=True)
+        for name in ("num_generations", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"BenchConfig: {name}={value!r} must be a non-negative integer or None")
+        if self.lr is not None and (
+            isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0
+        ):
+            raise ConfigError(f"BenchConfig: lr={self.lr!r} must be a positive number or None")
+        if self.lr_schedule not in ("constant", "linear"):  # the two the studies use; others are asked of HF
+            from smart_batching.compat import lr_scheduler_types
+
+            if self.lr_schedule not in lr_scheduler_types():
+                raise ConfigError(
+                    f"BenchConfig: lr_schedule={self.lr_schedule!r} is not a transformers scheduler; choose one "
+                    f"of {', '.join(lr_scheduler_types())}"
+                )
+        for name in ("match_steps", "append", "render", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"BenchConfig: {name}= must be True or False, got {getattr(self, name)!r}")
+        if self.model_options is not None and not isinstance(self.model_options, Mapping):
+            raise ConfigError(f"BenchConfig: model_options= must be a dict, got {self.model_options!r}")
+        if self.nproc > 1 and self.callbacks:
+            raise ConfigError(
+                "BenchConfig: callbacks= run in this process only; they cannot be combined with nproc > 1"
+            )
+        for name in self.strategies:
+            parse_strategy(name)  # unknown strategies fail here; unknown options when the spec is made
+
+    @property
+    def train_examples(self) -> int | None:
+        """Training examples to take: ``num_examples``, else ``max_steps * batch_size``, else all (None)."""
+        if self.num_examples is None and self.max_steps is not None:
+            return self.max_steps * self.batch_size
+        return self.num_examples
+
+    def replace(self, **changes: Any) -> BenchConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ConfigError(
+                f"BenchConfig has no field {', '.join(unknown)}; its fields are: "
+                f"{', '.join(f.name for f in fields(self))}"
+            )
+        return replace(self, **changes)
+
+    @classmethod
+    def of(cls, config: BenchConfig | Any = None, **changes: Any) -> BenchConfig:
+        """``config`` with ``changes`` applied; a first argument that is not a config is ``data``."""
+        if isinstance(config, BenchConfig):
+            return config.replace(**changes) if changes else config
+        if config is not None:
+            if "data" in changes:
+                raise ConfigError("give data= once: as the first argument or as a keyword, not both")
+            changes["data"] = config
+        return cls().replace(**changes) if changes else cls()
+
+
+__all__ = ["DEFAULT_LR", "BenchConfig"]

@@ -1,0 +1,94 @@
+"""BenchConfig: one frozen, validated value for every bench setting; run_bench takes it or keywords."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from smart_batching.bench.config import BenchConfig
+from smart_batching.errors import ConfigError
+
+
+def test_defaults_are_valid_and_frozen():
+    config = BenchConfig()
+    assert config.strategies[0] == "random" and config.seeds == (0,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.epochs = 2  # type: ignore[misc]
+
+
+def test_keyword_only():
+    with pytest.raises(TypeError):
+        BenchConfig("default")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"epochs": 0}, "epochs"),
+        ({"batch_size": -1}, "batch_size"),
+        ({"batch_size": True}, "batch_size"),
+        ({"eval_examples": 1.5}, "eval_examples"),
+        ({"nproc": 0}, "nproc"),
+        ({"max_steps": 0}, "max_steps"),
+        ({"capacity": "4096"}, "capacity"),
+        ({"threads": 0}, "threads"),
+        ({"num_generations": -1}, "num_generations"),
+        ({"lr": 0.0}, "lr"),
+        ({"lr": "1e-3"}, "lr"),
+        ({"lr_schedule": "sawtooth"}, "lr_schedule"),
+        ({"strategies": ()}, "strategies"),
+        ({"strategies": "random,packed"}, "strategies"),
+        ({"strategies": ("random", "no_such")}, "no_such"),
+        ({"seeds": ()}, "seeds"),
+        ({"seeds": ("a",)}, "seeds"),
+        ({"seeds": (-1,)}, "seeds"),
+        ({"match_steps": "yes"}, "match_steps"),
+        ({"model_options": [("hidden_size", 8)]}, "model_options"),
+        ({"nproc": 2, "callbacks": [object()]}, "callbacks"),
+    ],
+)
+def test_a_bad_field_is_refused_by_name(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        BenchConfig(**changes)
+
+
+def test_sequences_are_normalised_to_tuples():
+    config = BenchConfig(strategies=["random", "packed"], seeds=[3, 4], callbacks=[])
+    assert config.strategies == ("random", "packed") and config.seeds == (3, 4) and config.callbacks == ()
+    assert config == BenchConfig(strategies=("random", "packed"), seeds=(3, 4))
+
+
+def test_train_examples_reads_max_steps_unless_num_examples_is_given():
+    assert BenchConfig().train_examples is None
+    assert BenchConfig(max_steps=5, batch_size=4).train_examples == 20
+    assert BenchConfig(max_steps=5, batch_size=4, num_examples=7).train_examples == 7
+
+
+def test_of_builds_and_replaces():
+    base = BenchConfig(strategies=("random",), max_steps=3)
+    assert BenchConfig.of(base) is base
+    assert BenchConfig.of(base, seeds=(1, 2)).seeds == (1, 2)
+    assert BenchConfig.of("x.jsonl", epochs=2) == BenchConfig(data="x.jsonl", epochs=2)
+    with pytest.raises(ConfigError, match="data"):
+        BenchConfig.of("x.jsonl", data="y.jsonl")
+    with pytest.raises(ConfigError, match="no field nope"):
+        base.replace(nope=1)
+    with pytest.raises(ConfigError, match="epochs"):
+        base.replace(epochs=0)  # replacements are validated too
+
+
+def test_every_field_is_documented():
+    documented = inspect.getdoc(BenchConfig).split("Attributes:", 1)[1]
+    for f in dataclasses.fields(BenchConfig):
+        assert f"    {f.name}: " in documented, f"BenchConfig.{f.name} has no line under Attributes:"
+
+
+def test_run_bench_refuses_a_bad_config_before_loading_anything():
+    from smart_batching.bench import run_bench
+
+    with pytest.raises(ConfigError, match="epochs"):
+        run_bench(BenchConfig(), epochs=0)
+    with pytest.raises(ConfigError, match="no field batchsize"):
+        run_bench("default", batchsize=8)
