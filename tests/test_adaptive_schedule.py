@@ -51,6 +51,7 @@ def test_shares_of_the_epoch_resolve_against_its_total():
         s.size_at(0)
     r = s.resolve(10_000)
     assert r.points[-1].at == 2000 and r.size_at(1000) == 200 and r.size_at(5000) == 300
+    assert BatchSchedule.parse("linear:1->3@150%").resolve(1000).points[-1].at == 1500  # past epoch 1
     mixed = BatchSchedule.parse("0:8 50%:16").resolve(1000)
     assert mixed.size_at(499) == 8 and mixed.size_at(500) == 16
 
@@ -80,7 +81,7 @@ def test_unit_is_kept_or_filled_in():
         ("linear:16->32", "needs @OVER"),
         ("linear:16", "START->END@OVER"),
         ("0:16 20", "not AT:SIZE"),
-        ("0:16 150%:32", "between 0% and 100%"),
+        ("0:16 %:32", "not a count"),
         ("fast", "not AT:SIZE"),
     ],
 )

@@ -197,6 +197,8 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_prepare_inputs": ("inputs",),
     "compute_loss_context_manager": (),
     "log": ("logs",),
+    "set_initial_training_values": ("args", "dataloader"),
+    "create_scheduler": ("num_training_steps", "optimizer"),
 }
 # Attributes a Trainer instance sets in __init__ that the loss override reads.
 TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func", "accelerator")

@@ -11,7 +11,8 @@ over all ranks and accumulation micro-batches::
 
 Counts take Megatron-LM's suffixes (``K`` 1e3, ``M`` 1e6, ``B`` or ``G`` 1e9, ``T`` 1e12; case does not
 matter) and binary ones (``Ki`` 1,024, ``Mi`` 1,048,576, ``Gi``); ``N%`` is a share of the first
-epoch's total, fixed when the plan is made (:meth:`BatchSchedule.resolve`). Any ratio between sizes is
+epoch's total, fixed when the plan is made (:meth:`BatchSchedule.resolve`; ``150%`` is half-way
+through the second epoch). Any ratio between sizes is
 allowed, not only integer factors.
 
 The size of step ``s`` is the schedule's value at what steps ``0..s-1`` consumed (counted in the same
@@ -230,10 +231,7 @@ def parse_count(text: str) -> int:
 def _threshold(text: str) -> tuple[int | None, float | None]:
     m = _PERCENT.match(text)
     if m:
-        share = float(m.group(1))
-        if not 0 <= share <= 100:
-            raise ConfigError(f"{text.strip()!r}: a share must be between 0% and 100%")
-        return None, share
+        return None, float(m.group(1))  # over 100 %: past the first epoch
     return parse_count(text), None
 
 

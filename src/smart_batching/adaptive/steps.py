@@ -10,6 +10,8 @@ Trainer integration runs its micro-batches one after the other within the optimi
     sampler item      [[3, 9], [4], [1, 7, 8]]            one step, three micro-batches
     StepDataset       [[f3, f9], [f4], [f1, f7, f8]]       features
     StepCollator      MicroBatches([batch, batch, batch])
+
+The sampler is :class:`~smart_batching.adaptive.sampler.StepBatchSampler`.
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ class StepDataset:
 
 
 class StepCollator:
-    """Collate each micro-batch of a step with ``inner`` (the strategy's collator)."""
+    """Collate each micro-batch of a step with ``inner`` (the strategy's collator); an empty one (a rank
+    with fewer examples than the step's micro-batches) is None."""
 
     def __init__(self, inner: Callable[[Sequence[Any]], Any]) -> None:
         self.inner = inner
 
     def __call__(self, groups: Sequence[Sequence[Any]]) -> MicroBatches:
-        return MicroBatches(self.inner(group) for group in groups)
+        return MicroBatches(self.inner(group) if len(group) else None for group in groups)
 
 
 __all__ = ["MicroBatches", "StepCollator", "StepDataset"]

@@ -29,11 +29,13 @@ engine owns the accumulation steps and the backward).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from smart_batching import compat
@@ -47,7 +49,7 @@ from smart_batching.adaptive.backoff import (
     split_inputs,
     token_slots,
 )
-from smart_batching.adaptive.lr import check_lr_scaling
+from smart_batching.adaptive.lr import check_lr_scaling, lr_factors, scale_lr_lambdas
 from smart_batching.adaptive.schedule import BatchSchedule, schedule_unit
 from smart_batching.adaptive.steps import MicroBatches
 from smart_batching.errors import ConfigError, SmartBatchingError
@@ -111,7 +113,77 @@ class AdaptiveMixin:
                 f"lr_scaling={sb.lr_scaling!r} scales the learning rate of steps whose size a batch_schedule "
                 "changes: give batch_schedule= too, or set lr_scaling=None"
             )
+        if sb.batch_schedule is not None and self.args.gradient_accumulation_steps != 1:
+            raise ConfigError(
+                f"batch_schedule sets how many micro-batches each optimizer step runs (as many of the strategy's "
+                f"budget as the step's size needs), so gradient_accumulation_steps="
+                f"{self.args.gradient_accumulation_steps} has no meaning with it: set gradient_accumulation_steps=1"
+            )
         sb.backoff, sb.backoff_state = backoff_setup(self, oom_backoff, sb.batch_schedule is not None)
+
+    def _step_sampler(self, lengths: Any, units: Any) -> Any:
+        """The sampler of a batch schedule: one item per optimizer step (this rank's micro-batches)."""
+        from smart_batching.adaptive.sampler import StepBatchSampler
+        from smart_batching.distributed import World
+        from smart_batching.sampler import SmartBatchSampler
+
+        sb, args = self.smart_batching, self.args
+        inner = SmartBatchSampler(lengths, sb.spec, seed=sb.seed, units=units)
+        return StepBatchSampler(inner, sb.batch_schedule, world=World(args.process_index, args.world_size))
+
+    # -- the run's length and learning rate under a schedule ----------------------------------------------
+
+    def _schedule_steps(self, epochs: int | None, max_steps: int | None) -> list[int]:
+        """Optimizer steps of each epoch the run trains (planned one epoch after another) until ``epochs``
+        epochs or ``max_steps`` steps."""
+        sampler = self.smart_batching.sampler
+        counts: list[int] = []
+        while (epochs is not None and len(counts) < epochs) or (
+            max_steps is not None and sum(counts) < max_steps
+        ):
+            counts.append(sampler.stepped_plan(len(counts)).num_steps)
+        return counts
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        values = super().set_initial_training_values(args, dataloader)
+        sb = self.smart_batching
+        if sb.batch_schedule is None or not hasattr(sb.sampler, "stepped_plan"):
+            return values
+        epochs, _, examples, samples, total_batch, _, max_steps = values
+        if args.max_steps > 0:
+            counts = self._schedule_steps(None, args.max_steps)
+            epochs, max_steps = len(counts), args.max_steps
+        else:
+            full = int(args.num_train_epochs)
+            counts = self._schedule_steps(full + 1, None)
+            max_steps = sum(counts[:full]) + math.ceil((args.num_train_epochs - full) * counts[full])
+            epochs = math.ceil(args.num_train_epochs)
+        sb.steps_per_epoch = counts
+        sizes = [sb.sampler.stepped_plan(e).step_targets for e in range(len(counts))]
+        sb.step_sizes = np.concatenate(sizes)[:max_steps] if sizes else np.zeros(0, dtype=np.int64)
+        # Trainer guesses a resumed epoch as global_step // steps_per_epoch: with the largest epoch that
+        # guess is never past the true one (ResumeMixin._run_epoch finds the true one).
+        per_epoch = max(counts)
+        logger.info(
+            "smart batching: batch_schedule %s gives %s optimizer steps per epoch, %d in all",
+            sb.batch_schedule, counts, max_steps,
+        )  # fmt: skip
+        return epochs, per_epoch, examples, samples, total_batch, counts[0], max_steps
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        sb = self.smart_batching
+        if (
+            sb.lr_scaling is None
+            or sb.step_sizes is None
+            or getattr(scheduler, "_smart_batching_scaled", False)
+        ):
+            return scheduler
+        factors = lr_factors(sb.step_sizes, sb.lr_scaling, sb.batch_schedule.initial_size)
+        last = len(factors) - 1
+        scale_lr_lambdas(scheduler, lambda step: float(factors[min(step, last)]) if last >= 0 else 1.0)
+        scheduler._smart_batching_scaled = True
+        return scheduler
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         # The back-off's count goes into the Trainer's log history (trainer_state.json) with the loss.
@@ -136,7 +208,12 @@ class AdaptiveMixin:
                 items.append(next(epoch_iterator))
             except StopIteration:
                 break
-        flat = [mb for item in items for mb in (item if isinstance(item, MicroBatches) else [item])]
+        flat = [
+            mb
+            for item in items
+            for mb in (item if isinstance(item, MicroBatches) else [item])
+            if mb is not None
+        ]
         _, num_items = super().get_batch_samples(iter(flat), len(flat), device)  # counted over micro-batches
         self.smart_batching.step = StepRun(batches=flat)
         return items, num_items
@@ -148,13 +225,14 @@ class AdaptiveMixin:
 
     def floating_point_ops(self, inputs: Any) -> int:
         if isinstance(inputs, MicroBatches):
-            return sum(super(AdaptiveMixin, self).floating_point_ops(mb) for mb in inputs)
+            return sum(super(AdaptiveMixin, self).floating_point_ops(mb) for mb in inputs if mb is not None)
         return super().floating_point_ops(inputs)
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         if isinstance(inputs, MicroBatches):
             for mb in inputs:
-                super()._track_num_input_tokens(mb)
+                if mb is not None:
+                    super()._track_num_input_tokens(mb)
             return
         super()._track_num_input_tokens(inputs)
 
@@ -165,16 +243,21 @@ class AdaptiveMixin:
         bundle = isinstance(inputs, MicroBatches)
         if sb.backoff is None and not bundle:
             return super().training_step(model, inputs, num_items_in_batch)
-        if sb.step is None:  # called outside the Trainer's loop (a test, a custom loop)
-            sb.step = StepRun(batches=list(inputs) if bundle else [inputs])
         micro = list(inputs) if bundle else [inputs]
+        present = [mb for mb in micro if mb is not None]
+        if sb.step is None:  # called outside the Trainer's loop (a test, a custom loop)
+            sb.step = StepRun(batches=present)
         losses = []
         for k, mb in enumerate(micro):
-            losses.extend(self._run_micro_batch(model, mb, num_items_in_batch, final=k == len(micro) - 1))
+            final = k == len(micro) - 1
+            if mb is None:  # this rank has fewer examples than the step's micro-batches
+                self._null_pass(model, present[0], num_items_in_batch, final=final)
+                continue
+            losses.extend(self._run_micro_batch(model, mb, num_items_in_batch, final=final))
             sb.step.position += 1
         if sb.backoff is not None and self.accelerator.sync_gradients:
-            self._end_of_step(model, micro[0], num_items_in_batch)
-        return torch.stack([loss.reshape(()) for loss in losses]).sum()
+            self._end_of_step(model, present[0], num_items_in_batch)
+        return torch.stack([loss.detach().reshape(()) for loss in losses]).sum()
 
     def _deferred_sync(self) -> bool:
         """Back-off on several processes: pieces run locally, gradients are synchronised at the step's end."""
@@ -324,6 +407,15 @@ class AdaptiveMixin:
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, piece, num_items_in_batch=num_items)
         self.accelerator.backward(loss * 0.0)
+
+    def _null_pass(self, model: Any, template: Any, num_items: Any, *, final: bool) -> None:
+        """An empty micro-batch: a two-token pass with no loss, so this rank runs as many passes (and
+        collectives) as the others at this step. Not needed where pieces run locally (deferred sync)."""
+        if self._deferred_sync() or self.args.world_size == 1:
+            return
+        sync = nullcontext() if final else self.accelerator.no_sync(model)
+        with sync:
+            self._synchronise_gradients(model, template, num_items)
 
     def _maybe_regrow(self) -> None:
         sb = self.smart_batching

@@ -63,6 +63,14 @@ class ResumeMixin:
         if self.smart_batching.stream is not None:
             return self._run_stream_epoch(*args, **kwargs)
         epoch = kwargs["epoch"]
+        if self.smart_batching.steps_per_epoch and kwargs.get("resume_from_checkpoint") is not None:
+            # Epochs of a batch schedule differ in steps: find the resumed epoch from the global step.
+            true_epoch, step = self._schedule_position(self.state.global_step)
+            if epoch < true_epoch:
+                return None  # trained before the checkpoint
+            if epoch == true_epoch:
+                kwargs["epochs_trained"] = epoch
+                kwargs["steps_trained_in_current_epoch"] = 0 if self.args.ignore_data_skip else step
         resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
         skipped = (
             kwargs.get("steps_trained_in_current_epoch", 0)
@@ -76,7 +84,8 @@ class ResumeMixin:
             num_batches = self._local_batches(epoch)
             if num_batches != kwargs["steps_in_epoch"]:
                 # Trainer sized every epoch on the first; run this one to its real end instead of cutting it.
-                logger.warning(
+                log = logger.info if self.smart_batching.steps_per_epoch else logger.warning  # expected then
+                log(
                     "epoch %d has %d batches, Trainer expected %d; running all of them",
                     epoch,
                     num_batches,
@@ -153,10 +162,23 @@ class ResumeMixin:
                     "or set ignore_data_skip=True to restart the data order"
                 )
 
+    def _schedule_position(self, global_step: int) -> tuple[int, int]:
+        """``(epoch, steps into it)`` of a global step under a batch schedule (epochs of their own length)."""
+        counts = self.smart_batching.steps_per_epoch
+        done = 0
+        for e, n in enumerate(counts):
+            if global_step < done + n:
+                return e, global_step - done
+            done += n
+        return len(counts), global_step - done
+
     def _local_batches(self, epoch: int) -> int:
-        """Micro-batches this process gets in ``epoch``: all of the plan on one process; with several, its
-        share of the balanced plan (the same number on every rank, whatever re-forming the balancer did)."""
+        """Items this process gets in ``epoch``: all of the plan on one process; with several, its share of
+        the balanced plan (the same number on every rank, whatever re-forming the balancer did); under a
+        batch schedule, the epoch's optimizer steps."""
         sampler = self.smart_batching.sampler
+        if hasattr(sampler, "stepped_plan"):
+            return sampler.stepped_plan(epoch).num_steps
         if hasattr(sampler, "distributed_plan"):
             return sampler.distributed_plan(epoch).num_steps * sampler.accum_steps
         return len(sampler.plan_for_epoch(epoch))

@@ -40,6 +40,8 @@ class SmartBatchingState:
             saved with each checkpoint.
         step: the optimizer step in progress (:class:`~smart_batching.hf.adaptive.StepRun`).
         forward_done: the piece running has finished its forward pass (a failure is in backward).
+        steps_per_epoch: with a batch schedule, the optimizer steps of each epoch the run trains.
+        step_sizes: with a batch schedule, the schedule's size at each optimizer step of the run.
     """
 
     spec: Any
@@ -69,3 +71,5 @@ class SmartBatchingState:
     backoff_state: Any = None
     step: Any = None
     forward_done: bool = False
+    steps_per_epoch: list[int] | None = None
+    step_sizes: Any = None

@@ -262,6 +262,8 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         )
         units = dataset_units(self.train_dataset, lengths, empty_examples=self.smart_batching.empty_examples)
         args = self.args
+        if self.smart_batching.batch_schedule is not None:
+            return self._step_sampler(lengths, units)
         if args.world_size > 1:
             from smart_batching.distributed import World
             from smart_batching.distributed.sampler import DistributedSmartBatchSampler
@@ -310,10 +312,15 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
             dataset = compat.remove_unused_columns(self, self.train_dataset)
         if sampler.yields_segments:
             dataset = SegmentDataset(dataset)
+        collate = self.data_collator
+        if self.smart_batching.batch_schedule is not None:  # one item per optimizer step
+            from smart_batching.adaptive.steps import StepCollator, StepDataset
+
+            dataset, collate = StepDataset(dataset), StepCollator(collate)
         args = self.args
         params: dict[str, Any] = {
             "batch_sampler": sampler,
-            "collate_fn": self.data_collator,
+            "collate_fn": collate,
             "num_workers": args.dataloader_num_workers,
             "pin_memory": args.dataloader_pin_memory,
             "persistent_workers": args.dataloader_persistent_workers,
