@@ -1,6 +1,6 @@
 """One rank of adaptive-batching runs on several processes (launched by torchrun from
 tests/test_adaptive_distributed.py): a tiny Llama trained by SmartBatchingTrainer once per entry of
-``--runs`` (a JSON list of ``{"oom_backoff": ..., "batch_schedule": ...}``, run one after the other in
+``--runs`` (a JSON list of ``{"oom_backoff": ..., "batch_schedule": ..., "accum": ...}``, run one after the other in
 the same process group, which saves a launch per run; ``"budget_of": i`` starts the back-off at the
 budget run ``i`` ended with). Writes ``run{i}_rank{N}.pt``: the final weights,
 the back-off state and each micro-batch's tokens."""
@@ -58,7 +58,7 @@ def main() -> int:
             model=model,
             args=TrainingArguments(
                 output_dir=str(out / "trainer"), use_cpu=True, ddp_backend="gloo", max_steps=args.max_steps,
-                gradient_accumulation_steps=args.accum, learning_rate=3e-3, lr_scheduler_type="constant",
+                gradient_accumulation_steps=run.get("accum", args.accum), learning_rate=3e-3, lr_scheduler_type="constant",
                 report_to=[], save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
             ),
             train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
@@ -72,12 +72,22 @@ def main() -> int:
         rank = trainer.args.process_index
         state = trainer.smart_batching.backoff_state
         budgets.append(state.budget if state is not None else None)
+        stepped = None
+        if trainer.smart_batching.batch_schedule is not None:
+            sp = trainer.smart_batching.sampler.stepped_plan(0)
+            stepped = {
+                "micro_per_step": sp.micro_per_step.tolist(),
+                "targets": sp.step_targets.tolist(),
+                "rank_step_tokens": sp.rank_step_tokens.tolist(),
+                "longest": int(np.max(sp.base.seg_lengths)),
+            }
         torch.save(
             {
                 "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                 "global_step": trainer.state.global_step,
                 "backoff": state.state_dict() if state is not None else None,
                 "tokens": tokens,
+                "stepped": stepped,
             },
             out / f"run{i}_rank{rank}.pt",
         )

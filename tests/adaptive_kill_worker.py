@@ -27,8 +27,13 @@ def make_trainer(out: Path, kill_at: int | None = None):
     return SmartBatchingTrainer(
         model=tiny_llama(),
         args=training_args(
-            out, num_train_epochs=2, max_steps=-1, save_strategy="steps", save_steps=1,
-            lr_scheduler_type="linear", optim="adamw_torch",
+            out,
+            num_train_epochs=2,
+            max_steps=-1,
+            save_strategy="steps",
+            save_steps=1,
+            lr_scheduler_type="linear",
+            optim="adamw_torch",
         ),  # fmt: skip
         train_dataset=counting_dataset(40, seed=7),
         strategy="token_budget",

@@ -1,5 +1,6 @@
 """Adaptive batching on 2 real processes (torchrun, gloo, DDP through the HF Trainer): the
-out-of-memory back-off when only rank 1 fails, and (slow) a failure in backward."""
+out-of-memory back-off when only rank 1 fails (in forward; slow: in backward), and a batch schedule
+balanced at every step of its ramp. One launch runs several trainings one after the other."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -43,11 +45,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def check_backoff_run(tmp_path: Path, stage: str) -> None:
-    limit = 160  # token slots: a few of the plan's micro-batches (up to 256 tokens) are over it
-    fault = {"fail_over_tokens": limit, "fail_ranks": [1], "fail_stage": stage}
-    # The failing run, then the same run planned from the start with the budget the first ended with.
-    failing, planned = launch(tmp_path, [{"oom_backoff": fault}, {"budget_of": 0}])
+def check_backoff(failing: list[dict], planned: list[dict]) -> None:
     rank0, rank1 = (r["backoff"] for r in failing)
     assert rank1["num_failures"] >= 1 and rank0["num_failures"] == 0  # only rank 1 failed ...
     assert rank0["budget"] == rank1["budget"] is not None  # ... and both ranks learned its budget
@@ -60,13 +58,37 @@ def check_backoff_run(tmp_path: Path, stage: str) -> None:
     assert planned[0]["global_step"] == 6
 
 
-def test_backoff_when_only_rank_1_fails(tmp_path: Path) -> None:
+def check_schedule(run: list[dict]) -> None:
+    stepped = run[0]["stepped"]
+    assert stepped == run[1]["stepped"]  # every rank computed the same steps
+    assert len(run[0]["tokens"]) == len(run[1]["tokens"])  # as many micro-batches on both ranks
+    per_step = stepped["micro_per_step"][:6]
+    # What each rank trained, step by step, is the plan's share; shares within one example of each other
+    # and of half the schedule's size, at every step of the ramp.
+    trained = np.array(
+        [[sum(r["tokens"][sum(per_step[:s]) : sum(per_step[: s + 1])]) for r in run] for s in range(6)]
+    )
+    np.testing.assert_array_equal(trained, np.asarray(stepped["rank_step_tokens"][:6]))
+    targets = np.asarray(stepped["targets"][:6])
+    assert targets[0] < targets[5]  # a ramp
+    assert np.all(np.abs(trained - targets[:, None] / 2) <= stepped["longest"])
+    assert np.all(trained.max(axis=1) - trained.min(axis=1) <= stepped["longest"])
+    assert max_diff(run[0]["weights"], run[1]["weights"]) == 0.0
+
+
+def test_backoff_when_only_rank_1_fails_and_a_schedule(tmp_path: Path) -> None:
     """Rank 1's micro-batches over the limit run out of memory in forward; rank 0's never do. The run
     finishes (no rank waits for a collective the other skipped), both ranks end with the same weights,
-    equal to the run split that way from the start."""
-    check_backoff_run(tmp_path, "forward")
+    equal to the run split that way from the start. Then a batch schedule on the same 2 ranks."""
+    fault = {"fail_over_tokens": 160, "fail_ranks": [1], "fail_stage": "forward"}
+    schedule = {"batch_schedule": "linear:300->1500@5000", "accum": 1}
+    failing, planned, scheduled = launch(tmp_path, [{"oom_backoff": fault}, {"budget_of": 0}, schedule])
+    check_backoff(failing, planned)
+    check_schedule(scheduled)
 
 
 @pytest.mark.slow
 def test_backoff_in_backward_when_only_rank_1_fails(tmp_path: Path) -> None:
-    check_backoff_run(tmp_path, "backward")
+    fault = {"fail_over_tokens": 160, "fail_ranks": [1], "fail_stage": "backward"}
+    failing, planned = launch(tmp_path, [{"oom_backoff": fault}, {"budget_of": 0}])
+    check_backoff(failing, planned)

@@ -120,7 +120,14 @@ def test_sigkill_mid_ramp_and_resume_gives_identical_weights(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    cmd = [sys.executable, str(TESTS / "adaptive_kill_worker.py"), "--out", str(tmp_path / "killed"), "--kill-at", "3"]
+    cmd = [
+        sys.executable,
+        str(TESTS / "adaptive_kill_worker.py"),
+        "--out",
+        str(tmp_path / "killed"),
+        "--kill-at",
+        "3",
+    ]
     killed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (tmp_path / "killed" / "out" / "checkpoint-3").is_dir()
