@@ -170,6 +170,26 @@ class AdaptiveMixin:
         )  # fmt: skip
         return epochs, per_epoch, examples, samples, total_batch, counts[0], max_steps
 
+    def realised_schedule(self) -> dict[str, list[int]] | None:
+        """The batch schedule as the run realised it, one entry per optimizer step trained so far (all
+        ranks): ``tokens`` (real tokens), ``size`` (in the schedule's unit) and ``target`` (the
+        schedule's size there); None without a schedule."""
+        sb = self.smart_batching
+        if sb.batch_schedule is None or not sb.steps_per_epoch:
+            return None
+        out: dict[str, list[int]] = {"tokens": [], "size": [], "target": []}
+        left = int(self.state.global_step)
+        for e in range(len(sb.steps_per_epoch)):
+            if left <= 0:
+                break
+            sp = sb.sampler.stepped_plan(e)
+            n = min(left, sp.num_steps)
+            out["tokens"] += sp.rank_step_tokens.sum(axis=1)[:n].tolist()
+            out["size"] += sp.step_weight[:n].tolist()
+            out["target"] += sp.step_targets[:n].tolist()
+            left -= n
+        return out
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         sb = self.smart_batching
