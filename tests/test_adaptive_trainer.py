@@ -190,3 +190,40 @@ def test_trl_sft_trainer_with_a_schedule_and_backoff(tmp_path):
     assert backed.smart_batching.backoff_state.num_backoffs >= 1
     assert backed.state.global_step == plain.state.global_step == sum(backed.smart_batching.steps_per_epoch)
     assert max_diff(weights(backed.model), weights(plain.model)) < 5e-5
+
+
+def test_a_stream_follows_the_schedule(tmp_path):
+    """A streamed dataset: steps are grouped as the stream's micro-batches come, each within half an
+    example of the schedule's size at what the run has seen (a pass's last step takes what is left)."""
+    from transformers import TrainerCallback
+
+    recorder = Recorder()
+    marks: list[int] = []
+
+    class Mark(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append(len(recorder.tokens))
+
+    stream = counting_dataset(60, seed=2).to_iterable_dataset(num_shards=2)
+    trainer = SmartBatchingTrainer(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=14, lr_scheduler_type="linear"),
+        train_dataset=stream, data_collator=recorder, strategy="token_budget", strategy_options={"max_tokens": 160},
+        batch_schedule="linear:80->480@1200", lr_scaling="sqrt", callbacks=[Mark()],
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 14
+    per_step = [sum(recorder.tokens[a:b]) for a, b in zip([0, *marks[:-1]], marks, strict=True)]
+    seen = np.concatenate([[0], np.cumsum(per_step)[:-1]])
+    schedule = trainer.smart_batching.batch_schedule
+    targets = schedule.size_at(seen)
+    total = sum(len(ids) for ids in counting_dataset(60, seed=2)["input_ids"])
+    ends = np.flatnonzero(np.cumsum(per_step) % total == 0)  # a pass's last step takes what is left
+    assert ends.size == 2
+    ok = np.abs(np.asarray(per_step) - targets) <= 30  # examples are under 60 tokens
+    ok[ends] = True
+    assert ok.all(), (per_step, targets.tolist())
+    pass_end = int(ends[0])
+    rates = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    want = 3e-3 * (1 - np.arange(14) / 14) * np.sqrt(targets / schedule.initial_size)
+    np.testing.assert_allclose(rates, want, rtol=1e-6)  # lr_scaling from what the stream has seen
+    assert per_step[0] < per_step[pass_end - 1]

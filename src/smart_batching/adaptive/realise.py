@@ -123,7 +123,9 @@ class SteppedPlan:
         """Largest max/mean rank tokens over the steps (1.0: every step perfectly even)."""
         w = self.rank_step_tokens.astype(np.float64)
         mean = w.mean(axis=1)
-        return float(np.max(np.divide(w.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0), initial=1.0))
+        return float(
+            np.max(np.divide(w.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0), initial=1.0)
+        )
 
     def summary(self) -> dict[str, Any]:
         """The realised schedule in a few numbers (for ``analyze`` and the bench)."""
@@ -159,7 +161,8 @@ def per_rank(schedule: BatchSchedule, world_size: int) -> BatchSchedule:
     if world_size == 1:
         return schedule
     points = tuple(
-        SchedulePoint(max(1, int(round(p.size / world_size))), int(p.at) // world_size) for p in schedule.points
+        SchedulePoint(max(1, int(round(p.size / world_size))), int(p.at) // world_size)
+        for p in schedule.points
     )
     return BatchSchedule(schedule.kind, points, schedule.unit)
 
@@ -201,10 +204,14 @@ def realise(
     orders, bounds = _rank_streams(plan, world_size, seed, cost)
     cuts = _cut_rounds(orders, bounds, weights, schedule, seen_before)
     micro, step_offsets = _equal_micro_counts(orders, bounds, cuts, weights)
-    return SteppedPlan(plan, schedule, world_size, int(seen_before), weights, step_offsets, tuple(orders), micro)
+    return SteppedPlan(
+        plan, schedule, world_size, int(seen_before), weights, step_offsets, tuple(orders), micro
+    )
 
 
-def _rank_streams(plan: Any, world_size: int, seed: int, cost: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _rank_streams(
+    plan: Any, world_size: int, seed: int, cost: str
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Each rank's micro-batches in order, from the balancer's rounds of one micro-batch per rank:
     (segment positions, micro-batch bounds into them) per rank."""
     from smart_batching.distributed import distribute
@@ -226,7 +233,11 @@ def _rank_streams(plan: Any, world_size: int, seed: int, cost: str) -> tuple[lis
 
 
 def _cut_rounds(
-    orders: list[np.ndarray], bounds: list[np.ndarray], weights: np.ndarray, schedule: BatchSchedule, seen: int
+    orders: list[np.ndarray],
+    bounds: list[np.ndarray],
+    weights: np.ndarray,
+    schedule: BatchSchedule,
+    seen: int,
 ) -> list[np.ndarray]:
     """Step cuts of every rank's stream, all at the same point of the balancer's rounds.
 
@@ -239,7 +250,9 @@ def _cut_rounds(
     world_size = len(orders)
     sizes = np.array([o.shape[0] for o in orders], dtype=np.int64)
     csums = [np.concatenate([[0], np.cumsum(weights[o])]) for o in orders]
-    rank_w = np.stack([c[b[1:]] - c[b[:-1]] for c, b in zip(csums, bounds, strict=True)], axis=1)  # (rounds, W)
+    rank_w = np.stack(
+        [c[b[1:]] - c[b[:-1]] for c, b in zip(csums, bounds, strict=True)], axis=1
+    )  # (rounds, W)
     round_w = rank_w.sum(axis=1)
     cum_rounds = np.concatenate([[0], np.cumsum(round_w)])  # (rounds + 1,)
     # All ranks' cumulative weights in one rising array: rank r's values are offset by r * span.

@@ -52,6 +52,7 @@ from smart_batching.adaptive.backoff import (
 from smart_batching.adaptive.lr import check_lr_scaling, lr_factors, scale_lr_lambdas
 from smart_batching.adaptive.schedule import BatchSchedule, schedule_unit
 from smart_batching.adaptive.steps import MicroBatches
+from smart_batching.adaptive.stream import StreamMicroBatches
 from smart_batching.errors import ConfigError, SmartBatchingError
 from smart_batching.fallbacks import warn_fallback
 
@@ -194,17 +195,24 @@ class AdaptiveMixin:
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         sb = self.smart_batching
-        if (
-            sb.lr_scaling is None
-            or sb.step_sizes is None
-            or getattr(scheduler, "_smart_batching_scaled", False)
-        ):
+        if sb.lr_scaling is None or getattr(scheduler, "_smart_batching_scaled", False):
             return scheduler
-        factors = lr_factors(sb.step_sizes, sb.lr_scaling, sb.batch_schedule.initial_size)
-        last = len(factors) - 1
-        scale_lr_lambdas(scheduler, lambda step: float(factors[min(step, last)]) if last >= 0 else 1.0)
+        first = sb.batch_schedule.initial_size
+        if sb.step_sizes is not None:  # map-style: every step's size is planned
+            factors = lr_factors(sb.step_sizes, sb.lr_scaling, first)
+            last = len(factors) - 1
+            scale_lr_lambdas(scheduler, lambda step: float(factors[min(step, last)]) if last >= 0 else 1.0)
+        elif sb.stream is not None:  # a stream: the next step's size from what it has seen so far
+            scale_lr_lambdas(scheduler, lambda step: self._stream_lr_factor(first))
+        else:
+            return scheduler
         scheduler._smart_batching_scaled = True
         return scheduler
+
+    def _stream_lr_factor(self, first: int) -> float:
+        stream = self.smart_batching.step_stream
+        size = first if stream is None else stream.schedule.size_at(stream.seen)
+        return float(lr_factors([size], self.smart_batching.lr_scaling, first)[0])
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         # The back-off's count goes into the Trainer's log history (trainer_state.json) with the loss.
@@ -265,6 +273,8 @@ class AdaptiveMixin:
         if sb.backoff is None and not bundle:
             return super().training_step(model, inputs, num_items_in_batch)
         micro = list(inputs) if bundle else [inputs]
+        if isinstance(inputs, StreamMicroBatches) and self.args.world_size > 1 and not self._deferred_sync():
+            micro += [None] * self._stream_micro_batches(len(micro))  # as many passes as every rank
         present = [mb for mb in micro if mb is not None]
         if sb.step is None:  # called outside the Trainer's loop (a test, a custom loop)
             sb.step = StepRun(batches=present)
@@ -279,6 +289,13 @@ class AdaptiveMixin:
         if sb.backoff is not None and self.accelerator.sync_gradients:
             self._end_of_step(model, present[0], num_items_in_batch)
         return torch.stack([loss.detach().reshape(()) for loss in losses]).sum()
+
+    def _stream_micro_batches(self, count: int) -> int:
+        """How many empty micro-batches this rank adds to a stream's step so that every rank runs as many
+        (each rank grouped its own shard): one all-reduce."""
+        most = torch.tensor([count], dtype=torch.int64, device=self.args.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item()) - count
 
     def _deferred_sync(self) -> bool:
         """Back-off on several processes: pieces run locally, gradients are synchronised at the step's end."""

@@ -110,6 +110,11 @@ class ResumeMixin:
             state = self.smart_batching.resume_state
             if state is not None and not self.args.ignore_data_skip:
                 self._check_stream_state(state)
+                if (
+                    self.smart_batching.step_stream is not None
+                    and state.get("schedule_pass_start") is not None
+                ):
+                    self.smart_batching.step_stream.resume(int(state["schedule_pass_start"]))
                 self.smart_batching.stream_offset = int(state["epoch"]) - epoch
                 skipped = kwargs["steps_trained_in_current_epoch"] = int(state["batches_yielded"])
             elif kwargs.get("resume_from_checkpoint") is not None and not self.args.ignore_data_skip:
@@ -138,6 +143,11 @@ class ResumeMixin:
             "num_processes": self.accelerator.num_processes,
             "epoch": self.smart_batching.epoch,
             "batches_yielded": self.smart_batching.consumed,
+            "batch_schedule": None
+            if self.smart_batching.batch_schedule is None
+            else str(self.smart_batching.batch_schedule),
+            # What the schedule had seen when this pass started (the pass is replayed up to the cursor).
+            "schedule_pass_start": getattr(self.smart_batching.step_stream, "pass_start", None),
         }
 
     def _check_stream_state(self, state: Mapping[str, Any]) -> None:
@@ -154,6 +164,7 @@ class ResumeMixin:
             "seed",
             "buffer_size",
             "gradient_accumulation_steps",
+            "batch_schedule",
         ):
             if state.get(key) != now[key]:
                 raise ConfigError(

@@ -42,6 +42,7 @@ class SmartBatchingState:
         forward_done: the piece running has finished its forward pass (a failure is in backward).
         steps_per_epoch: with a batch schedule, the optimizer steps of each epoch the run trains.
         step_sizes: with a batch schedule, the schedule's size at each optimizer step of the run.
+        step_stream: with a batch schedule on a streamed dataset, the :class:`~smart_batching.adaptive.stream.StepStream`.
     """
 
     spec: Any
@@ -73,3 +74,4 @@ class SmartBatchingState:
     forward_done: bool = False
     steps_per_epoch: list[int] | None = None
     step_sizes: Any = None
+    step_stream: Any = None

@@ -355,6 +355,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         args = self.args
         if args.max_steps is None or args.max_steps <= 0:
             raise ConfigError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
+        schedule = self.smart_batching.batch_schedule
         dataset = StreamingBatchDataset(
             self.train_dataset,
             self.smart_batching.spec,
@@ -362,7 +363,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
             seed=self.smart_batching.seed,
             rank=args.process_index,
             world_size=args.world_size,
-            collate_fn=self.data_collator,
+            collate_fn=self.data_collator if schedule is None else None,  # steps collate their micro-batches
             empty_examples=self.smart_batching.empty_examples,
         )
         self.smart_batching.sampler = None
@@ -371,9 +372,18 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         # IterableDataset wrappers would re-shard and re-batch our already collated batches. Trainer
         # moves them to the device in _prepare_inputs.
         loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
-        from smart_batching.distributed.even_steps import EvenSteps
+        from smart_batching.distributed.even_steps import EvenSteps, null_batch
 
-        self.smart_batching.even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
+        make_null = null_batch
+        if schedule is not None:  # one item per optimizer step (smart_batching.adaptive.stream)
+            from smart_batching.adaptive.stream import StepStream, null_micro_batches
+
+            loader = StepStream(loader, schedule, self.data_collator, world_size=args.world_size)
+            self.smart_batching.step_stream = loader
+            make_null = null_micro_batches
+        self.smart_batching.even_steps = EvenSteps(
+            loader, multiple=args.gradient_accumulation_steps, make_null=make_null
+        )
         return DataLoader(self.smart_batching.even_steps, batch_size=None, num_workers=0)
 
 
