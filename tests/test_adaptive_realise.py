@@ -128,3 +128,27 @@ def test_step_sampler_refuses_another_schedule_or_world():
         StepBatchSampler(inner, "0:600 10000:2400").load_state_dict(state)
     with pytest.raises(sb.ConfigError, match="ranks"):
         StepBatchSampler(inner, "0:600 10000:1200", world=World(0, 2)).load_state_dict(state)
+
+
+def test_analyze_reports_and_draws_the_realised_schedule(tmp_path, capsys):
+    """``analyze --batch-schedule``: every row's realised schedule in the JSON records and a line of the
+    report; ``--plot`` also draws the steps."""
+    pytest.importorskip("matplotlib")
+    from smart_batching.cli import main
+
+    np.save(tmp_path / "lengths.npy", LENGTHS)
+    args = ["analyze", str(tmp_path / "lengths.npy"), "--strategies", "random,token_budget,packed",
+            "--batch-schedule", "linear:600->6000@40%", "--world-size", "2"]  # fmt: skip
+    assert main([*args, "--plot", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out
+    assert "batch schedule linear:600->6000@40% (tokens per optimizer step, 2 rank(s))" in out
+    assert (tmp_path / "a_schedule.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*args, "--json"]) == 0
+    import json
+
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for r in records:
+        steps = r["schedule_steps"]
+        assert r["schedule"]["num_steps"] == len(steps["size"]) == len(steps["target"])
+        assert steps["target"][0] == 600 and steps["target"][-2] == 6000
+        assert r["schedule"]["max_abs_step_error"] <= int(LENGTHS.max())  # one example per rank at most
