@@ -42,8 +42,9 @@ from smart_batching.errors import ConfigError
 BALANCE_ROUNDS = 0
 """Moves the balancer may make per round of one micro-batch per rank. 0: its vectorised deal of
 micro-batches of similar cost to a round, no per-round evening out. Steps are evened out by cutting
-every rank's stream at the same fraction of each round, so a round's unevenness is spread over the
-steps; the per-round evening out cost 92 s for 200k examples on 8 ranks (token budget 8192)."""
+every rank's stream at the same fraction of each round; evening out every round as well would take
+92 s instead of 0.4 s for 200k examples on 8 ranks (token budget 8192) and lower the largest step
+imbalance only from 1.11 to 1.09 (the rest is the example at each cut)."""
 
 
 @dataclass(frozen=True, eq=False)
