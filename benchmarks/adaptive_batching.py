@@ -5,7 +5,8 @@ Two studies, each a set of bench runs (:func:`smart_batching.bench.run_bench`: a
 ``SmartBatchingTrainer`` on the first ``--examples`` GSM8K train records, evaluated on held-out GSM8K
 test records; the embedded default data when GSM8K is absent), side by side in one process:
 
-1. **Ramp against the final size.** ``packed`` (rows of ``--capacity`` tokens) with
+1. **Ramp against the final size.** ``packed`` (rows of ``--capacity`` tokens, examples truncated to
+   ``--max-length``) with
    ``batch_schedule="linear:START->FINAL@RAMP%"`` against the same run with a constant schedule of
    ``FINAL`` tokens per step (``"0:FINAL"``), same examples, same epochs, same seeds, linear learning
    rate decay to 0 over each run's own step count. Reported: optimizer steps, real tokens/s (wall and
@@ -145,13 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=int, default=384, help="training examples (default 384)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     ap.add_argument("--epochs", type=int, default=2, help="passes over the examples (default 2)")
-    ap.add_argument("--capacity", type=int, default=512, help="packed row tokens (default 512)")
+    ap.add_argument("--capacity", type=int, default=1024, help="packed row tokens (default 1024)")
+    ap.add_argument("--max-length", type=int, default=256, help="examples truncated to this (default 256)")
     ap.add_argument("--start", type=int, default=512, help="the ramp's first tokens per step (default 512)")
     ap.add_argument("--final", type=int, default=4096, help="the final tokens per step (default 4096)")
     ap.add_argument(
         "--ramp", type=float, default=50.0, help="ramp length, %% of the first epoch (default 50)"
     )
-    ap.add_argument("--fail-over", type=int, default=384, help="injected failure over these token slots")
+    ap.add_argument(
+        "--fail-over", type=int, default=600,
+        help="injected failure over these token slots (default 600: rows of up to 1024 fail, and their halves "
+        "still hold the longest example)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady CPU times)")
     ap.add_argument("--quick", action="store_true", help="96 examples, 1 seed, 1 epoch")
     ap.add_argument("--json", action="store_true", help="one JSON record per run per line")
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     data = str(GSM8K) if GSM8K.exists() else "default"
     common = {
         "data": data, "model": "tiny-llama", "strategies": ("packed",), "seeds": seeds,
-        "num_examples": args.examples, "epochs": args.epochs, "capacity": args.capacity, "max_length": args.capacity,
+        "num_examples": args.examples, "epochs": args.epochs, "capacity": args.capacity, "max_length": args.max_length,
         "lr_schedule": "linear", "eval_examples": 64, "num_generations": 0, "threads": args.threads,
     }  # fmt: skip
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print

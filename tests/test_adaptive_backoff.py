@@ -250,6 +250,18 @@ def test_backoff_on_the_first_step(tmp_path):
     assert max_diff(weights(failing.model), weights(plain.model)) < 5e-5
 
 
+def test_the_budget_regrows_below_the_smallest_failure(tmp_path):
+    """regrow_steps=1: after a step with no failure the budget doubles again, but never to a size that
+    failed; the run still keeps its steps and weights."""
+    failing = train(tmp_path, "fail", "packed", {"fail_over_tokens": 100, "regrow_steps": 1})
+    state = failing.smart_batching.backoff_state
+    first = state.events[0]["budget"]
+    assert state.smallest_failed > 100 and first < state.budget <= state.smallest_failed - 1
+    plain = train(tmp_path, "plain", "packed", False)
+    assert failing.state.global_step == plain.state.global_step
+    assert max_diff(weights(failing.model), weights(plain.model)) < 5e-5
+
+
 def test_a_single_example_over_the_budget_cannot_back_off(tmp_path):
     with pytest.raises(BackoffExhaustedError, match="cannot be split further"):
         train(tmp_path, "fail", "token_budget", {"fail_over_tokens": 4})

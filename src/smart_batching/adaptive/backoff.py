@@ -64,8 +64,8 @@ class OomBackoff:
         max_tokens: A budget in token slots from the start (micro-batches over it are split before
             they run); None: no budget until a micro-batch fails.
         regrow_steps: Raise the budget again by ``1 / factor`` after this many optimizer steps with no
-            failure (never above the largest micro-batch that failed); None: never (the default: a
-            budget that failed once is not tried again).
+            failure, never to the size of the smallest micro-batch that failed (on any rank); None: never
+            (the default).
         fail_over_tokens: Injected fault: pieces of more token slots fail (tests); None: no fault.
         fail_stage: Where the injected fault fires: ``"forward"`` or ``"backward"``.
         fail_ranks: Ranks whose pieces fail; None: every rank.
@@ -163,7 +163,7 @@ class BackoffState:
         num_split: Micro-batches of this rank run as more than one piece.
         failed_seconds: Time this rank spent in pieces that failed, and in re-running what a failure in
             backward lost (the back-off's cost).
-        largest_failed: Most token slots of a piece that failed (the ceiling for re-growing).
+        smallest_failed: Fewest token slots of a piece that failed, on any rank (re-growing stays below).
         steps_since_failure: Optimizer steps since the last back-off (for ``regrow_steps``).
         events: One entry per back-off: ``{"step", "stage", "slots", "budget", "rank"}``.
     """
@@ -173,7 +173,7 @@ class BackoffState:
     num_failures: int = 0
     num_split: int = 0
     failed_seconds: float = 0.0
-    largest_failed: int | None = None
+    smallest_failed: int | None = None
     steps_since_failure: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
 

@@ -380,7 +380,7 @@ class AdaptiveMixin:
         state.budget = budget
         state.num_failures += 1
         state.failed_seconds += seconds
-        state.largest_failed = max(state.largest_failed or 0, slots)
+        state.smallest_failed = min(state.smallest_failed or slots, slots)
         state.events.append(
             {"step": int(self.state.global_step), "micro_batch": sb.step.position, "stage": stage,
              "slots": slots, "budget": budget, "rank": int(self.args.process_index)}
@@ -419,11 +419,15 @@ class AdaptiveMixin:
         failed = sb.step.failed
         if self.args.world_size > 1:
             agreed = torch.tensor(
-                [int(failed), -(state.budget or _NO_BUDGET)], dtype=torch.int64, device=self.args.device
+                [int(failed), -(state.budget or _NO_BUDGET), -(state.smallest_failed or _NO_BUDGET)],
+                dtype=torch.int64,
+                device=self.args.device,
             )
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
             failed = bool(agreed[0].item())
             budget = -int(agreed[1].item())
+            smallest = -int(agreed[2].item())
+            state.smallest_failed = None if smallest == _NO_BUDGET else smallest
             if budget != _NO_BUDGET and budget != state.budget:
                 state.budget = budget  # another rank backed off: every rank plans with the lowest budget
                 state.events.append(
@@ -464,9 +468,8 @@ class AdaptiveMixin:
             or state.steps_since_failure < config.regrow_steps
         ):
             return
-        ceiling = state.largest_failed or _NO_BUDGET
-        grown = int(state.budget / config.factor)
-        state.budget = None if grown >= ceiling else grown
+        ceiling = (state.smallest_failed or _NO_BUDGET) - 1  # never again a size that failed
+        state.budget = min(int(state.budget / config.factor), ceiling)
         state.steps_since_failure = 0
         logger.info("smart batching: oom_backoff budget raised to %s token slots", state.budget)
 
