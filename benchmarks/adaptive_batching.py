@@ -18,6 +18,8 @@ test records; the embedded default data when GSM8K is absent), side by side in o
    with the budget the failing runs ended with. The extra time of a failed micro-batch is the time
    spent in failed attempts and re-runs (``failed_seconds``) per failure; the rest of the difference to
    the plain run is the cost of running smaller pieces afterwards (the planned run shows it alone).
+   These runs use the first seed only: they train the same weights by construction (the held-out loss
+   column shows it); only their time differs.
 
 Every record (``--json``: one JSON line each) names its ``strategy`` (``packed``) and ``variant``. Timings
 on a shared machine are noisy: the table gives CPU time next to wall time and the load average, and
