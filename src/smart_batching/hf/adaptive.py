@@ -134,16 +134,21 @@ class AdaptiveMixin:
 
     # -- the run's length and learning rate under a schedule ----------------------------------------------
 
-    def _schedule_steps(self, epochs: int | None, max_steps: int | None) -> list[int]:
+    def _schedule_steps(
+        self, epochs: int | None, max_steps: int | None
+    ) -> tuple[list[int], list[np.ndarray]]:
         """Optimizer steps of each epoch the run trains (planned one epoch after another) until ``epochs``
-        epochs or ``max_steps`` steps."""
+        epochs or ``max_steps`` steps, and the schedule's size at each of them."""
         sampler = self.smart_batching.sampler
         counts: list[int] = []
+        sizes: list[np.ndarray] = []
         while (epochs is not None and len(counts) < epochs) or (
             max_steps is not None and sum(counts) < max_steps
         ):
-            counts.append(sampler.stepped_plan(len(counts)).num_steps)
-        return counts
+            stepped = sampler.stepped_plan(len(counts))
+            counts.append(stepped.num_steps)
+            sizes.append(stepped.step_targets)
+        return counts, sizes
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
@@ -152,16 +157,15 @@ class AdaptiveMixin:
             return values
         epochs, _, examples, samples, total_batch, _, max_steps = values
         if args.max_steps > 0:
-            counts = self._schedule_steps(None, args.max_steps)
+            counts, sizes = self._schedule_steps(None, args.max_steps)
             epochs, max_steps = len(counts), args.max_steps
         else:
             full = int(args.num_train_epochs)
             part = args.num_train_epochs - full  # a share of one more epoch
-            counts = self._schedule_steps(full + (part > 0), None)
+            counts, sizes = self._schedule_steps(full + (part > 0), None)
             max_steps = sum(counts[:full]) + (math.ceil(part * counts[full]) if part > 0 else 0)
             epochs = math.ceil(args.num_train_epochs)
         sb.steps_per_epoch = counts
-        sizes = [sb.sampler.stepped_plan(e).step_targets for e in range(len(counts))]
         sb.step_sizes = np.concatenate(sizes)[:max_steps] if sizes else np.zeros(0, dtype=np.int64)
         # Trainer guesses a resumed epoch as global_step // steps_per_epoch: with the largest epoch that
         # guess is never past the true one (ResumeMixin._run_epoch finds the true one).
