@@ -327,3 +327,31 @@ def test_real_cuda_out_of_memory_backs_off(tmp_path):
         torch.cuda.empty_cache()
     assert trainer.state.global_step == 2
     assert trainer.smart_batching.backoff_state.num_backoffs >= 1
+
+
+def test_deepspeed_and_multi_process_fsdp_are_refused_by_name(tmp_path, monkeypatch):
+    """Where the back-off (or a multi-piece step) cannot keep ranks in lockstep it is refused before
+    training: DeepSpeed owns accumulation and backward; FSDP gathers inside every pass. (Neither runs
+    here: accelerate enables FSDP on GPU-like devices only, DeepSpeed is not installed; the Trainer's
+    own flags are set as they would be.)"""
+    from smart_batching.hf.adaptive import check_backoff_topology
+
+    trainer = SmartBatchingTrainer(
+        model=tiny_llama(), args=training_args(tmp_path), train_dataset=counting_dataset(8),
+        strategy="token_budget", strategy_options={"max_tokens": 192},
+    )  # fmt: skip
+    trainer.is_deepspeed_enabled = True
+    with pytest.raises(ConfigError, match="DeepSpeed"):
+        trainer.setup_smart_batching("token_budget", strategy_options={"max_tokens": 192}, oom_backoff=True)
+    with pytest.raises(ConfigError, match="batch_schedule"):
+        trainer.setup_smart_batching(
+            "token_budget", strategy_options={"max_tokens": 192}, batch_schedule="0:200"
+        )
+    trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled = False, True
+    check_backoff_topology(trainer, OomBackoff(), pieces=True)  # one process: nothing to wait for
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ConfigError, match="needs DDP"):
+        check_backoff_topology(trainer, OomBackoff(), pieces=False)
+    check_backoff_topology(
+        trainer, None, pieces=True
+    )  # a schedule alone runs under FSDP (test_adaptive_fsdp)
