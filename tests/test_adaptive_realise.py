@@ -45,7 +45,7 @@ def test_every_strategy_follows_the_schedule(name, world_size):
     # Each rank runs as many micro-batches at every step; each micro-batch is a piece of one of the
     # plan's micro-batches (on several ranks: of one the balancer dealt, within the strategy's limits).
     if world_size == 1:
-        sources = [np.asarray(plan.row_offsets[plan.batch_offsets])]
+        sources = [np.asarray(plan.batch_bounds)]
     else:
         sources = _rank_streams(plan, world_size, 0, "tokens")[1]
     for r in range(world_size):
@@ -54,11 +54,13 @@ def test_every_strategy_follows_the_schedule(name, world_size):
         first = np.searchsorted(sources[r], micro[:-1], side="right")
         last = np.searchsorted(sources[r], micro[1:], side="left")
         assert np.all(first >= last), "a micro-batch spans two of the plan's"
-    # Realised sizes follow the schedule: each rank's share within one example of its share of the
-    # target (the last step takes what is left).
-    shares = sp.rank_step_weight[:-1]
-    targets = sp.step_targets[:-1, None] / world_size
-    assert np.all(np.abs(shares - targets) <= longest), name
+    # Realised sizes follow the schedule within one example per rank (the last step takes what is
+    # left); counted in tokens, each rank's share is within one example of its share of the target.
+    got, targets = sp.step_weight[:-1], sp.step_targets[:-1]
+    assert np.all(np.abs(got - targets) <= world_size * longest), name
+    if schedule.unit == "tokens":
+        shares = sp.rank_step_weight[:-1]
+        assert np.all(np.abs(shares - targets[:, None] / world_size) <= longest), name
     got = sp.step_weight
     assert got[0] < got[-2] and sp.step_targets[0] == schedule.initial_size
     assert sp.step_targets[-2] == schedule.final_size
@@ -81,7 +83,7 @@ def test_budget_per_micro_batch_grows_before_micro_batches_are_added():
                       for i in range(sp.num_steps)])  # fmt: skip
     planned = plan.tokens_per_batch.mean()  # real tokens of the plan's micro-batches (256 slots)
     assert per_step[0] == 1 and sizes[0] < 0.8 * planned  # small steps: one micro-batch under the budget
-    assert per_step[-2] >= 12  # 2,500 tokens in micro-batches of the plan
+    assert per_step[-2] >= 0.8 * 2500 / planned  # 2,500 tokens in micro-batches of the plan
     assert sizes[-2] > 0.8 * planned
 
 

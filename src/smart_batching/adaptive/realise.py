@@ -38,6 +38,7 @@ import numpy as np
 
 from smart_batching.adaptive.schedule import BatchSchedule, SchedulePoint, cut_steps
 from smart_batching.errors import ConfigError
+from smart_batching.plan import Batches, BatchShapes, offsets_of
 
 BALANCE_ROUNDS = 0
 """Moves the balancer may make per round of one micro-batch per rank. 0: its vectorised deal of
@@ -51,9 +52,11 @@ imbalance only from 1.11 to 1.09 (the rest is the example at each cut)."""
 class SteppedPlan:
     """One epoch of optimizer steps realising a schedule (see the module docstring).
 
-    Rank ``r`` runs, at step ``s``, micro-batches ``step_offsets[s] .. step_offsets[s+1]-1`` of its
-    own list (the same count on every rank); micro-batch ``m`` of rank ``r`` is
-    ``rank_order[r][rank_micro[r][m]:rank_micro[r][m+1]]``, positions in ``base``'s flat segment arrays.
+    Each rank's micro-batches are one :class:`~smart_batching.plan.Batches` value over ``base``'s
+    segment table (``rank_batches[r]``: batch ``m`` is micro-batch ``m`` of rank ``r``, its ``order``
+    the positions in ``base``), the value the planners and the distributed plan speak. Rank ``r`` runs,
+    at step ``s``, micro-batches ``step_offsets[s] .. step_offsets[s+1]-1`` of its own (the same count
+    on every rank).
 
     Attributes:
         base: The strategy's plan of the epoch.
@@ -61,6 +64,8 @@ class SteppedPlan:
         world_size: Ranks.
         seen_before: Units (tokens or examples) consumed before this epoch, all ranks together.
         weights: (num_segments,) each segment's weight: its tokens, or 1 for examples.
+        step_offsets: (num_steps + 1,) micro-batch index (per rank) where each step starts.
+        rank_batches: Per rank, its micro-batches in run order.
     """
 
     base: Any
@@ -68,9 +73,18 @@ class SteppedPlan:
     world_size: int
     seen_before: int
     weights: np.ndarray
-    step_offsets: np.ndarray  # (num_steps + 1,) micro-batch index (per rank)
-    rank_order: tuple[np.ndarray, ...]  # per rank: segment positions in run order
-    rank_micro: tuple[np.ndarray, ...]  # per rank: (num_micro + 1,) offsets into rank_order
+    step_offsets: np.ndarray
+    rank_batches: tuple[Batches, ...]
+
+    @property
+    def rank_order(self) -> tuple[np.ndarray, ...]:
+        """Per rank: positions in ``base``'s segment arrays, in run order."""
+        return tuple(b.order for b in self.rank_batches)
+
+    @property
+    def rank_micro(self) -> tuple[np.ndarray, ...]:
+        """Per rank: ``(num_micro_batches + 1,)`` offsets of its micro-batches into :attr:`rank_order`."""
+        return tuple(b.batch_offsets for b in self.rank_batches)
 
     @property
     def num_steps(self) -> int:
@@ -158,9 +172,20 @@ def segment_weights(plan: Any, unit: str) -> np.ndarray:
     return np.asarray(plan.seg_lengths, dtype=np.int64)
 
 
-def _batch_bounds(plan: Any) -> np.ndarray:
-    """(num_batches + 1,) where each of the plan's micro-batches starts in its flat segment arrays."""
-    return np.asarray(plan.row_offsets[plan.batch_offsets], dtype=np.int64)
+def micro_batches(plan: Any, order: np.ndarray, offsets: np.ndarray) -> Batches:
+    """Micro-batches ``order[offsets[m]:offsets[m+1]]`` of ``plan``'s segments as the one batch value:
+    one segment per row, padded to its longest (the strategy's fixed width, or, where rows hold several
+    examples, its capacity times rows: the collator flattens such a micro-batch into one row)."""
+    sizes = np.diff(offsets)
+    spec = plan.spec
+    limits = spec.micro_batch_limits()
+    if spec.packs_rows and limits.capacity is not None:
+        width = np.full(sizes.shape[0], limits.capacity * limits.rows_per_micro_batch, dtype=np.int64)
+    elif (fixed := spec.fixed_width(int(plan.lengths.max(initial=0)))) is not None:
+        width = np.full(sizes.shape[0], fixed, dtype=np.int64)
+    else:
+        width = BatchShapes(sizes, None, plan.seg_lengths[order], offsets[:-1], offsets[1:]).longest
+    return Batches(offsets, np.asarray(width, dtype=np.int64), None, order)
 
 
 def per_rank(schedule: BatchSchedule, world_size: int) -> BatchSchedule:
@@ -205,15 +230,15 @@ def realise(
     if world_size == 1:
         order = np.arange(plan.num_segments, dtype=np.int64)
         steps = cut_steps(weights, schedule, seen=seen_before)
-        micro = np.union1d(_batch_bounds(plan), steps)
+        micro = np.union1d(np.asarray(plan.batch_bounds, dtype=np.int64), steps)
         step_offsets = np.searchsorted(micro, steps)
-        return SteppedPlan(plan, schedule, 1, int(seen_before), weights, step_offsets, (order,), (micro,))
+        batches = (micro_batches(plan, order, micro),)
+        return SteppedPlan(plan, schedule, 1, int(seen_before), weights, step_offsets, batches)
     orders, bounds = _rank_streams(plan, world_size, seed, cost)
     cuts = _cut_rounds(orders, bounds, weights, schedule, seen_before)
     micro, step_offsets = _equal_micro_counts(orders, bounds, cuts, weights)
-    return SteppedPlan(
-        plan, schedule, world_size, int(seen_before), weights, step_offsets, tuple(orders), micro
-    )
+    batches = tuple(micro_batches(plan, o, m) for o, m in zip(orders, micro, strict=True))
+    return SteppedPlan(plan, schedule, world_size, int(seen_before), weights, step_offsets, batches)
 
 
 def _rank_streams(
@@ -231,11 +256,9 @@ def _rank_streams(
         )
     orders, bounds = [], []
     for r in range(world_size):
-        units = d.rank_units(r)
-        pieces = [d.unit_segments(int(u)) for u in units]
-        sizes = np.array([p.shape[0] for p in pieces], dtype=np.int64)
+        pieces = [d.micro_batch_segments(int(m)) for m in d.rank_micro_batches(r)]
         orders.append(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64))
-        bounds.append(np.concatenate([[0], np.cumsum(sizes)]))
+        bounds.append(offsets_of(np.array([p.shape[0] for p in pieces], dtype=np.int64)))
     return orders, bounds
 
 
@@ -335,4 +358,4 @@ def _equal_micro_counts(
     return tuple(micro), step_offsets
 
 
-__all__ = ["SteppedPlan", "per_rank", "realise", "segment_weights"]
+__all__ = ["SteppedPlan", "micro_batches", "per_rank", "realise", "segment_weights"]
