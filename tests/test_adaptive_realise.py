@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 from test_planners import CONFIGS
 
 import smart_batching as sb
 from smart_batching.adaptive.realise import _rank_streams, realise, segment_weights
 from smart_batching.adaptive.schedule import BatchSchedule, schedule_unit
-from smart_batching.planners import strategy_names
 
 pytest.importorskip("torch")
 
@@ -33,9 +33,10 @@ def base_plan(name: str, epoch: int = 0):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("name", strategy_names())
-def test_every_strategy_follows_the_schedule(name, world_size):
-    plan = base_plan(name)
+@pytest.mark.parametrize(("name", "options"), cases(int(LENGTHS.max())))
+def test_every_strategy_follows_the_schedule(name, options, world_size):
+    """Every registered strategy with each of the option sets its spec gives for tests."""
+    plan = sb.plan_batches(LENGTHS, name, seed=0, epoch=0, **options)
     schedule = schedule_for(plan.spec)
     sp = realise(plan, schedule, world_size=world_size)
     weights = segment_weights(plan, schedule.unit)

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from strategy_cases import cases  # noqa: E402
 from test_trainer import (  # noqa: E402
     counting_dataset,
     max_diff,
@@ -29,8 +30,10 @@ from test_trainer import (  # noqa: E402
 )
 
 from smart_batching import ConfigError  # noqa: E402
+from smart_batching.adaptive.schedule import schedule_unit  # noqa: E402
 from smart_batching.collate import PaddingCollator  # noqa: E402
-from smart_batching.hf import SmartBatchingTrainer  # noqa: E402
+from smart_batching.hf import SmartBatchingTrainer, make_collator  # noqa: E402
+from smart_batching.planners import make_spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TESTS = Path(__file__).resolve().parent
@@ -39,8 +42,8 @@ TESTS = Path(__file__).resolve().parent
 class Recorder:
     """The strategy's collator, recording each micro-batch's tokens."""
 
-    def __init__(self) -> None:
-        self.inner = PaddingCollator(0)
+    def __init__(self, inner=None) -> None:
+        self.inner = PaddingCollator(0) if inner is None else inner
         self.tokens: list[int] = []
 
     def __call__(self, features):
@@ -67,12 +70,16 @@ def test_a_step_of_several_micro_batches_has_the_loss_of_one_batch(tmp_path):
     assert max_diff(sgd_gradient(trainer), ref_grad) <= 1e-5
 
 
-@pytest.mark.parametrize(
-    ("strategy", "options", "schedule"),
-    [("token_budget", {"max_tokens": 160}, "linear:80->480@50%"), ("random", {"batch_size": 3}, "0:2 40:6")],
-)
-def test_steps_follow_the_schedule_and_the_lr_horizon(tmp_path, strategy, options, schedule):
-    recorder = Recorder()
+# Both end above the strategies' example budgets (120 tokens, 8 examples): late steps take several
+# micro-batches.
+SCHEDULES = {"tokens": "linear:80->480@50%", "examples": "0:2 40:12"}
+
+
+@pytest.mark.parametrize(("strategy", "options"), cases(60, first_only=True))
+def test_steps_follow_the_schedule_and_the_lr_horizon(tmp_path, strategy, options):
+    """Every registered strategy (its first option set), trained through the Trainer for 2 epochs."""
+    schedule = SCHEDULES[schedule_unit(make_spec(strategy, **options))]
+    recorder = Recorder(make_collator(strategy))
     trainer = SmartBatchingTrainer(
         model=tiny_llama(),
         args=training_args(tmp_path, max_steps=-1, num_train_epochs=2, lr_scheduler_type="linear", logging_steps=1),
@@ -84,13 +91,15 @@ def test_steps_follow_the_schedule_and_the_lr_horizon(tmp_path, strategy, option
     counts = sb.steps_per_epoch
     assert out.global_step == trainer.state.max_steps == sum(counts[:2]) and counts[0] > counts[1]
     # What trained is what the plan said, micro-batch by micro-batch, in both epochs.
-    planned = []
+    planned, micro_per_step = [], []
     for e in range(2):
         sp = sb.sampler.stepped_plan(e)
         unit_tokens = np.asarray(sp.base.seg_lengths)
         for s in range(sp.num_steps):
             planned.extend(int(unit_tokens[m].sum()) for m in sp.step_segments(s))
+            micro_per_step.append(len(sp.step_segments(s)))
     assert recorder.tokens == planned
+    assert micro_per_step[0] < max(micro_per_step)  # later steps take more micro-batches
     # Each step within one example of the schedule's size (the last step of an epoch takes the rest).
     sp = sb.sampler.stepped_plan(0)
     longest = 60 if sp.schedule.unit == "tokens" else 1
