@@ -302,7 +302,9 @@ def test_lr_scaling_needs_a_schedule(tmp_path):
 def test_real_cuda_out_of_memory_backs_off(tmp_path):
     """A real CUDA out-of-memory error: the process may use a sliver of the device, the first
     micro-batch does not fit in it, and the Trainer backs off and finishes the run."""
-    torch.cuda.set_per_process_memory_fraction(0.02)  # 1.6 GiB of an 80 GiB device
+    # About 1.5 GiB whatever the device (an H100's 80 GiB or an H200's 141 GiB).
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 1.5 * 2**30 / total))
     try:
         config = transformers.LlamaConfig(
             vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
