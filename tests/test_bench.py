@@ -231,6 +231,35 @@ def test_gsm8k_answer_parsing():
     assert not gsm8k_exact_match("blah", "#### 18")
 
 
+def test_bench_records_and_draws_a_batch_schedule_and_backoff(tmp_path):
+    """BenchConfig(batch_schedule=, oom_backoff=): every record holds the schedule its run realised (the
+    step sizes follow it) and what the back-off did; the report draws the schedule."""
+    train = write_gsm8k_like(tmp_path / "data")
+    mp = pytest.MonkeyPatch()
+    for key, value in MICRO.items():
+        mp.setitem(bench_models.TINY_LLAMA, key, value)
+    try:
+        records = run_bench(
+            train, model="tiny-llama", strategies=("token_budget",), num_examples=NUM_TRAIN, batch_size=4,
+            eval_examples=4, num_generations=0, out_dir=tmp_path / "out", progress=False,
+            batch_schedule="0:2 6:4", schedule_unit="examples", lr_scaling="sqrt",
+            oom_backoff={"fail_over_tokens": 60},
+        )  # fmt: skip
+    finally:
+        mp.undo()
+    for r in records:
+        assert r["status"] == "ok"
+        sched = r["schedule"]
+        assert sched["target"][:2] == [2, 2] and sched["target"][-1] == 4
+        assert sched["size"][:3] == [2, 2, 2] and sum(sched["size"]) == NUM_TRAIN
+        assert r["num_steps"] == len(sched["size"]) and len(r["loss_curve"]["examples"]) == r["num_steps"]
+        assert r["loss_curve"]["examples"][-1] == NUM_TRAIN
+        assert r["oom_backoff"]["num_failures"] >= 1 and r["fallbacks"].get("trainer.oom_backoff", 0) >= 1
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "schedule.png" in report and "back-off" in report
+    assert list((tmp_path / "out").glob("*-schedule.png"))
+
+
 def test_classification_path_skips_packed(tmp_path):
     folder = tmp_path / "sst"
     folder.mkdir()

@@ -40,6 +40,8 @@ def _summary(capsys) -> dict:
         (["--capacity", "128"], "--capacity 128 is below --max-length 256"),
         (["--max-tokens", "100", "--strategy", "token_budget"], "--max-tokens 100 is below --max-length 256"),
         (["--model", "/no/such/folder"], "is neither a model name"),
+        (["--batch-schedule", "fast"], "batch_schedule='fast'"),
+        (["--batch-schedule", "0:512", "--grad-accum", "2"], "set gradient_accumulation_steps=1"),
     ],
 )
 def test_refused_settings_name_what_to_change(capsys, tmp_path, extra, message):
@@ -74,3 +76,15 @@ def test_a_model_folder_trains(capsys, tmp_path):
     assert main([*BASE, "--out", str(tmp_path / "run"), "--model", str(folder), "--max-steps", "1"]) == 0
     summary = _summary(capsys)
     assert summary["steps"] == 1 and summary["model"] == "llama"
+
+
+def test_batch_schedule_ramps_the_tokens_per_step(capsys, tmp_path):
+    """--batch-schedule: the summary's tokens per step rise along the ramp, within one example of it."""
+    args = [*BASE, "--out", str(tmp_path), "--batch-schedule", "linear:300->1200@60%", "--lr-scaling", "sqrt",
+            "--oom-backoff"]  # fmt: skip
+    assert main(args) == 0
+    summary = _summary(capsys)
+    per_step = summary["tokens_per_step"]
+    assert summary["steps"] == len(per_step) > 4
+    assert abs(per_step[0] - 300) <= 128 and abs(per_step[-2] - 1200) <= 128  # half an example at most
+    assert summary["oom_backoffs"] == 0 and sum(per_step) == summary["real_tokens"]

@@ -215,6 +215,17 @@ def test_sequence_parallelism_flag():
     assert not compat.sequence_parallel_enabled(Real(cpu=True))
 
 
+def test_trainer_reports_deepspeed_and_fsdp(tiny_llama_and_args):
+    """oom_backoff and batch_schedule refuse DeepSpeed and (back-off, several processes) FSDP by these
+    two Trainer flags; a CPU Trainer has neither."""
+    model, args = tiny_llama_and_args()
+    trainer = transformers.Trainer(model=model, args=args)
+    assert hasattr(trainer, "is_deepspeed_enabled") and hasattr(trainer, "is_fsdp_enabled")
+    assert not compat.trainer_uses_deepspeed(trainer) and not compat.trainer_uses_fsdp(trainer)
+    trainer.is_fsdp_enabled = True
+    assert compat.trainer_uses_fsdp(trainer)
+
+
 def test_trl_sft_trainer_overrides_compute_loss():
     """``target_logits_only`` steps aside for a subclass ``compute_loss``; TRL's ``SFTTrainer`` has one."""
     trl = pytest.importorskip("trl")

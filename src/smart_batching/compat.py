@@ -34,6 +34,7 @@ fused log-prob head, PEFT                 :func:`is_trl_preference_collator`, :d
                                           :func:`trl_fused_lm_head_takes_shift_labels`,
                                           :func:`trl_backbone`, :func:`is_peft_model`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
+DeepSpeed / FSDP in the Trainer           :func:`trainer_uses_deepspeed`, :func:`trainer_uses_fsdp`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
                                           :func:`vllm_generate`, :func:`vllm_max_num_batched_tokens`,
@@ -193,6 +194,15 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("model", "trial"),
     "_get_output_dir": ("trial",),
     "get_tp_size": (),
+    # hf/adaptive.py: steps run as pieces (batch_schedule, oom_backoff)
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "floating_point_ops": ("inputs",),
+    "_track_num_input_tokens": ("inputs",),
+    "_prepare_inputs": ("inputs",),
+    "compute_loss_context_manager": (),
+    "log": ("logs",),
+    "set_initial_training_values": ("args", "dataloader"),
+    "create_scheduler": ("num_training_steps", "optimizer"),
 }
 # Attributes a Trainer instance sets in __init__ that the loss override reads.
 TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func", "accelerator")
@@ -369,6 +379,17 @@ def make_shard_passthrough(loader: Any, sampler: Any) -> bool:
     shard.num_processes = 1
     shard.process_index = 0
     return True
+
+
+def trainer_uses_deepspeed(trainer: Any) -> bool:
+    """The Trainer runs through a DeepSpeed engine (``Trainer.is_deepspeed_enabled``, set in ``__init__``)."""
+    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def trainer_uses_fsdp(trainer: Any) -> bool:
+    """The Trainer shards the model with FSDP (``Trainer.is_fsdp_enabled``; accelerate 1.15 turns it on
+    for GPU-like devices only, so on CPU it is False and the model is wrapped in DDP)."""
+    return bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False))
 
 
 def sequence_parallel_enabled(accelerator: Any) -> bool:

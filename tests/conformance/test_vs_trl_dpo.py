@@ -317,6 +317,12 @@ def test_activation_offloading_keeps_trl_s_training_step():
     assert type(trainer).training_step is trl.DPOTrainer.training_step
 
 
+@pytest.mark.parametrize("option", [{"batch_schedule": "0:64"}, {"oom_backoff": True}])
+def test_adaptive_batch_options_are_refused_for_pairs(option):
+    with pytest.raises(ConfigError, match=f"{next(iter(option))} is not supported on a DPOTrainer"):
+        apply_smart_batching(_trainer(), "packed", **option)
+
+
 def _moe_model():
     tokenizer = EX.word_tokenizer()
     torch.manual_seed(0)

@@ -111,4 +111,44 @@ def plot_analysis(
     return out
 
 
-__all__ = ["plot_analysis"]
+def plot_schedule(series: list[dict[str, Any]], path: str | os.PathLike, *, title: str | None = None) -> Path:
+    """Write a PNG of batch schedules as realised: the size of every optimizer step (dots, one color per
+    run) against the step, with the schedule's target (line) it follows.
+
+    Args:
+        series: One dict per run: ``label``, ``size`` (per step, in ``unit``), ``target`` (the
+            schedule's size at each step) and ``unit`` (``"tokens"`` or ``"examples"``).
+        path: The image to write; parent folders are created.
+        title: Figure title.
+
+    Returns:
+        The path written.
+
+    Raises:
+        DataError: no series with steps.
+    """
+    series = [s for s in series if s.get("size")]
+    if not series:
+        raise DataError("plot_schedule: no realised schedule to plot")
+    plt = _pyplot()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 4.8), constrained_layout=True)
+    cmap = plt.get_cmap("tab10")
+    for i, s in enumerate(series):
+        steps = np.arange(len(s["size"]))
+        color = cmap(i % 10)
+        ax.plot(steps, s["size"], ".", color=color, markersize=4, label=f"{s['label']} (realised)")
+        ax.plot(steps, s["target"], "-", color=color, linewidth=1, alpha=0.6)
+    units = {s.get("unit", "tokens") for s in series}
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"{' / '.join(sorted(units))} per step")
+    ax.set_title(title or "Batch schedule: realised step sizes (dots) and the schedule (lines)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=9)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+__all__ = ["plot_analysis", "plot_schedule"]

@@ -114,6 +114,8 @@ def analyze(
     seed: int = 0,
     overlong: str = "truncate",
     empty_examples: str = "skip",
+    batch_schedule: Any = None,
+    world_size: int = 1,
 ) -> list[dict[str, Any]]:
     """Plan one epoch with each strategy on the same lengths and measure padding, compute and randomness.
 
@@ -134,6 +136,12 @@ def analyze(
         empty_examples: examples with no tokens are left out of every plan (``"skip"``, counted in
             ``num_empty`` and named in one warning, as the samplers and the Trainer do) or refused
             (``"error"``).
+        batch_schedule: a :class:`~smart_batching.adaptive.BatchSchedule` (or its text, counted in
+            tokens unless the schedule says otherwise) realised on each plan over ``world_size`` ranks:
+            each record then holds ``schedule`` (the realised schedule in numbers,
+            :meth:`~smart_batching.adaptive.realise.SteppedPlan.summary`) and ``schedule_steps``
+            (``size``, ``target`` and ``tokens`` of every step, all ranks).
+        world_size: ranks the schedule's steps are balanced over.
 
     Returns:
         One dict per strategy, in the order asked: ``strategy``, ``efficiency`` (real tokens / token
@@ -212,6 +220,8 @@ def analyze(
         record = _record(name, plan, seconds, shared, asdict(spec))
         record.update(randomness_record(plan, plan_batches(arr, spec, seed=seed, epoch=1)))
         record["num_examples"], record["num_empty"] = num_rows, units.skipped.num_empty
+        if batch_schedule is not None:
+            record.update(_schedule_record(plan, batch_schedule, world_size, seed))
         records.append(record)
     fewest = min(r["token_slots"] for r in records)
     for r in records:
@@ -220,6 +230,47 @@ def analyze(
         else:  # only empty examples: a row with no slots costs nothing, any other has no finite ratio
             r["relative_compute"] = 1.0 if r["token_slots"] == 0 else None
     return records
+
+
+def _schedule_record(plan: Any, batch_schedule: Any, world_size: int, seed: int) -> dict[str, Any]:
+    """The schedule realised on ``plan``: its summary and every step's size, target and tokens."""
+    from smart_batching.adaptive.realise import realise
+    from smart_batching.adaptive.schedule import BatchSchedule
+
+    schedule = BatchSchedule.parse(batch_schedule, unit="tokens")
+    stepped = realise(plan, schedule, world_size=int(world_size), seed=seed)
+    return {
+        "schedule": {**stepped.summary(), "batch_schedule": str(schedule)},  # as given (shares unresolved)
+        "schedule_steps": {
+            "size": stepped.step_weight.tolist(),
+            "target": stepped.step_targets.tolist(),
+            "tokens": stepped.rank_step_tokens.sum(axis=1).tolist(),
+            "unit": stepped.schedule.unit,
+            "world_size": int(world_size),
+        },
+    }
+
+
+def format_schedule(records: list[dict[str, Any]]) -> str:
+    """The realised batch schedule of each row, one line each (records of ``analyze(batch_schedule=)``)."""
+    rows = [r for r in records if r.get("schedule")]
+    if not rows:
+        return ""
+    first = rows[0]["schedule"]
+    lines = [
+        f"batch schedule {first['batch_schedule']} ({first['schedule_unit']} per optimizer step, "
+        f"{rows[0]['schedule_steps']['world_size']} rank(s)):"
+    ]
+    width = max(len(r["strategy"]) for r in rows)
+    for r in rows:
+        s = r["schedule"]
+        mb = s["micro_batches_per_step"]
+        lines.append(
+            f"  {r['strategy']:<{width}}  {s['num_steps']:>6,} steps, first {s['first_step_size']:,} -> last "
+            f"{s['last_step_size']:,}, at most {s['max_abs_step_error']:,} off the schedule, "
+            f"{mb['min']}-{mb['max']} micro-batches per step, rank imbalance {s['max_step_imbalance']:.3f}"
+        )
+    return "\n".join(lines)
 
 
 def _record(name: str, plan: Any, seconds: float, shared: dict, spec_fields: dict) -> dict[str, Any]:
@@ -336,6 +387,7 @@ __all__ = [
     "DEFAULT_STRATEGIES",
     "analyze",
     "default_max_tokens",
+    "format_schedule",
     "format_table",
     "length_summary",
     "parse_strategy",

@@ -88,6 +88,16 @@ class BenchConfig:
             over one balanced plan; 1 trains in this process.
         model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
             ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
+        batch_schedule: tokens (or examples) per optimizer step as a function of what was seen, for every
+            run (``"linear:4096->32768@20%"``, see :mod:`smart_batching.adaptive.schedule`); each step runs as
+            many micro-batches of the strategy's budget as it needs. None: one micro-batch per step.
+        schedule_unit: what ``batch_schedule`` counts for every strategy, ``"tokens"`` or ``"examples"``;
+            None: each strategy's own (tokens for ``token_budget`` and ``packed``, examples for the others).
+        lr_scaling: with ``batch_schedule``, ``"sqrt"`` or ``"linear"``: each step's learning rate times its
+            size over the first size, to that power (:mod:`smart_batching.adaptive.lr`); None: unscaled.
+        oom_backoff: the Trainer's out-of-memory back-off for every run: True, False, or a dict of
+            :class:`~smart_batching.adaptive.backoff.OomBackoff` options (``{"fail_over_tokens": T}``
+            injects a failure over T token slots, to measure what a back-off costs).
         callbacks: extra ``TrainerCallback`` objects for every run (``nproc=1`` only: they live in this
             process).
         on_record: called with each record as soon as it is written.
@@ -123,6 +133,10 @@ class BenchConfig:
     threads: int | None = None
     nproc: int = 1
     model_options: Mapping[str, Any] | None = None
+    batch_schedule: str | None = None
+    schedule_unit: str | None = None
+    lr_scaling: str | None = None
+    oom_backoff: bool | Mapping[str, Any] = False
     callbacks: Sequence[Any] = ()
     on_record: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
 
@@ -187,6 +201,31 @@ class BenchConfig:
             )
         for name in self.strategies:
             parse_strategy(name)  # unknown strategies fail here; unknown options when the spec is made
+        self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        from smart_batching.adaptive.backoff import OomBackoff
+        from smart_batching.adaptive.lr import check_lr_scaling
+        from smart_batching.adaptive.schedule import UNITS, BatchSchedule
+
+        if self.batch_schedule is not None:
+            BatchSchedule.parse(self.batch_schedule)  # names what is wrong with the text
+        if self.schedule_unit is not None and self.schedule_unit not in UNITS:
+            raise ConfigError(
+                f"BenchConfig: schedule_unit={self.schedule_unit!r} must be one of {', '.join(UNITS)} or None"
+            )
+        check_lr_scaling(self.lr_scaling)
+        if self.lr_scaling is not None and self.batch_schedule is None:
+            raise ConfigError(
+                "BenchConfig: lr_scaling= scales steps a batch_schedule= sizes; give batch_schedule too"
+            )
+        if not isinstance(self.oom_backoff, (bool, Mapping)):
+            raise ConfigError(
+                f"BenchConfig: oom_backoff= must be True, False or a dict, got {self.oom_backoff!r}"
+            )
+        OomBackoff.coerce(
+            dict(self.oom_backoff) if isinstance(self.oom_backoff, Mapping) else self.oom_backoff
+        )
 
     @property
     def train_examples(self) -> int | None:

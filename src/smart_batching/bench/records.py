@@ -21,8 +21,8 @@ RECORD_FIELDS = (
     "world_size", "num_steps", "num_examples_seen", "real_tokens", "token_slots", "padding_ratio", "examples_digest",
     "wall_seconds", "cpu_seconds", "tokens_per_second", "samples_per_second", "step_seconds", "iteration_seconds",
     "peak_memory_mb", "peak_memory_mb_per_rank", "memory_kind", "loss_curve", "train_loss_final", "eval", "eval_initial",
-    "task_metric", "generations", "dropped", "planned", "randomness", "fallbacks", "data", "settings", "versions",
-    "machine",
+    "task_metric", "generations", "dropped", "planned", "randomness", "fallbacks", "schedule", "oom_backoff", "data",
+    "settings", "versions", "machine",
 )  # fmt: skip
 """Top-level fields of a record (``status="skipped"`` records carry ``skip_reason`` and no measurements).
 
@@ -32,7 +32,10 @@ and ``peak_memory_mb`` is the largest of ``peak_memory_mb_per_rank``. ``fallback
 paths the run took, by kind (:mod:`smart_batching.fallbacks`; ``{}`` when none, summed over processes).
 ``randomness`` is how random the strategy's batches are, from its plans for epochs 0 and 1 with the run's
 seed (``order_corr``, ``pair_repeat``, ``pair_repeat_random``: see
-:func:`~smart_batching.analysis.batch_randomness`)."""
+:func:`~smart_batching.analysis.batch_randomness`). ``schedule`` is the batch schedule as the run realised
+it (``tokens``, ``size`` and ``target`` of every optimizer step, all processes; None without
+``batch_schedule``), ``oom_backoff`` what the out-of-memory back-off did (its budget, ``num_backoffs``,
+``num_failures``, ``failed_seconds``, events; None when off)."""
 
 
 def _clean(value: Any) -> Any:

@@ -142,6 +142,22 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             "process (`peak_memory_mb_per_rank` in the records). Eval and generations ran once, in the bench "
             "process, on the trained weights."
         )
+    if s.get("batch_schedule"):
+        unit = s.get("schedule_unit") or "tokens for token_budget and packed, examples for the others"
+        notes.append(
+            f"Batch schedule `{s['batch_schedule']}` ({unit} per optimizer step), learning-rate scaling "
+            f"{s.get('lr_scaling') or 'none'}: each step ran as many micro-batches of the strategy's budget as its "
+            "size needed (the plot shows the realised sizes against the schedule)."
+        )
+    backoffs = {
+        r["strategy"]: (r.get("oom_backoff") or {}).get("num_backoffs", 0) for r in ok if r.get("oom_backoff")
+    }
+    if backoffs:
+        notes.append(
+            "Out-of-memory back-off on: "
+            + ", ".join(f"`{k}` {v} back-off(s)" for k, v in backoffs.items())
+            + " (a micro-batch that failed was split within its step; `oom_backoff` in the records has the events)."
+        )
     if first.get("memory_kind") == "cpu_rss_peak":
         notes.append(
             "Peak memory on CPU is the sampled process RSS (the model, optimizer and everything else the process holds), "
@@ -159,10 +175,25 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             plot_eval(ok, f"{stem}-eval.png"),
             plot_lengths(ok, f"{stem}-lengths.png"),
         ]
+        alts = ["throughput, padding, memory", "loss curves", "eval", "lengths"]
+        scheduled = [r for r in ok if r.get("schedule")]
+        if scheduled:  # the batch schedule as each run realised it
+            from smart_batching.analysis.plots import plot_schedule
+
+            unit = s.get("schedule_unit") or "each strategy's unit"
+            series = [
+                {"label": f"{r['strategy']} seed {r['seed']}", "size": r["schedule"]["size"],
+                 "target": r["schedule"]["target"], "unit": s.get("schedule_unit") or "tokens or examples"}
+                for r in scheduled
+            ]  # fmt: skip
+            plots.append(
+                plot_schedule(
+                    series, f"{stem}-schedule.png", title=f"batch schedule {s.get('batch_schedule')} ({unit})"
+                )
+            )
+            alts.append("batch schedule")
         doc.h(3, "Plots")
-        for path, alt in zip(
-            plots, ("throughput, padding, memory", "loss curves", "eval", "lengths"), strict=True
-        ):
+        for path, alt in zip(plots, alts, strict=True):
             doc.img(path, alt)
         plots += _time_to_target_section(doc, ok, s, stem)
         _generations(doc, ok)

@@ -44,7 +44,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,10 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         "max_new_tokens": c.max_new_tokens or (256 if task == "gsm8k" else 48),
         "device": dev.type,
         "nproc": c.nproc,
+        "batch_schedule": c.batch_schedule,
+        "schedule_unit": c.schedule_unit,
+        "lr_scaling": c.lr_scaling,
+        "oom_backoff": dict(c.oom_backoff) if isinstance(c.oom_backoff, Mapping) else c.oom_backoff,
     }
     machine = machine_info(dev)
     threads_per_rank = c.threads or max(1, usable_cores() // c.nproc)

@@ -241,6 +241,20 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
     )
 
 
+def _adaptive_options(s: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's adaptive-batching options from the bench settings."""
+    from smart_batching.adaptive.schedule import BatchSchedule
+
+    schedule = s.get("batch_schedule")
+    if schedule is not None and s.get("schedule_unit"):
+        schedule = BatchSchedule.parse(schedule, unit=s["schedule_unit"])
+    return {
+        "batch_schedule": schedule,
+        "lr_scaling": s.get("lr_scaling"),
+        "oom_backoff": s.get("oom_backoff") or False,
+    }
+
+
 def _skip_reason(bench: BenchContext, base: str) -> str | None:
     if spec_class(base).packs_rows and bench.model.kind == "classifier":
         return (
@@ -365,6 +379,7 @@ def train_run(
             strategy=base,
             strategy_options=options,
             seed=seed,
+            **_adaptive_options(s),
         )
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
@@ -383,7 +398,16 @@ def train_run(
         guard.remove()
     sampler = trainer.smart_batching.sampler
     epochs = range(s["epochs"])
-    if isinstance(sampler, DistributedSmartBatchSampler):
+    micro_per_step = None
+    if hasattr(sampler, "stepped_plan"):  # a batch schedule: this rank's share of every step
+        stepped = [sampler.stepped_plan(e) for e in epochs]
+        plans = [sp.base for sp in stepped]
+        parts = [sp.rank_order[sampler.rank] for sp in stepped]
+        ids = np.concatenate([p.example_ids[seg] for p, seg in zip(plans, parts, strict=True)])
+        seg_lengths = np.concatenate([p.seg_lengths[seg] for p, seg in zip(plans, parts, strict=True)])
+        imbalance = max(sp.max_step_imbalance for sp in stepped) if sampler.world_size > 1 else None
+        micro_per_step = np.concatenate([sp.micro_per_step for sp in stepped]).tolist()
+    elif isinstance(sampler, DistributedSmartBatchSampler):
         # This rank's share of each epoch's balanced plan; the ranks' shares together are the plan.
         rank, dists, parts = sampler.world.rank, [sampler.distributed_plan(e) for e in epochs], []
         for d in dists:
@@ -432,6 +456,11 @@ def train_run(
             "num_split_by_plan": int(stats.num_split),
         },
         "fallbacks": recorded_fallbacks(),
+        "schedule": trainer.realised_schedule(),
+        "micro_per_step": micro_per_step,
+        "oom_backoff": None
+        if trainer.smart_batching.backoff is None
+        else trainer.smart_batching.backoff_state.state_dict(),
         "eval_curve": curve.curve(),
         "load_average_start": load_start,
         "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -452,6 +481,10 @@ def _finish_record(
     wall = m["wall_seconds"]
     examples_cum = np.cumsum(m["examples"])
     tokens_cum = np.cumsum(m["real_tokens"])
+    if m.get("micro_per_step"):  # a batch schedule: several micro-batches per optimizer step
+        ends = np.cumsum(m["micro_per_step"]) - 1
+        ends = ends[ends < len(examples_cum)]
+        examples_cum, tokens_cum = examples_cum[ends], tokens_cum[ends]
     steps = [st for st in m["loss_steps"] if st <= len(examples_cum)]
     curve_losses = m["losses"][: len(steps)]
     tail = curve_losses[-max(1, len(curve_losses) // 10) :]
@@ -516,6 +549,8 @@ def _finish_record(
             "num_examples_not_seen": int(data.num_train * s["epochs"] - len(m["example_ids"])),
         },
         planned=m["planned"],
+        schedule=m.get("schedule"),
+        oom_backoff=m.get("oom_backoff"),
         load_average_start=m["load_average_start"],
         load_average_end=m["load_average_end"],
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),

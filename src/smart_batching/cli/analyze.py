@@ -161,6 +161,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--split", default=None, metavar="S", help="split of a folder or hub dataset (default: train)"
     )
     add_analysis_options(p)
+    a = p.add_argument_group("batch schedule")
+    a.add_argument(
+        "--batch-schedule",
+        default=None,
+        metavar="SCHEDULE",
+        help="also realise this schedule of tokens per optimizer step on every plan, e.g. "
+        "'linear:4096->32768@20%%' or '0:4k 1M:16k' (see smart_batching.adaptive.schedule), and report "
+        "its steps; --plot then also draws them (FILE_schedule.png)",
+    )
+    a.add_argument(
+        "--world-size", type=positive_int, default=1, metavar="N",
+        help="ranks the schedule's steps are balanced over (default: 1)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON record per strategy per line")
     o.add_argument(
@@ -226,6 +239,8 @@ def run_analysis(loaded: LoadedLengths, args: argparse.Namespace) -> list[dict[s
         strategies=strategy_list(args.strategies),
         seed=args.seed,
         overlong=args.overlong,
+        batch_schedule=getattr(args, "batch_schedule", None),
+        world_size=getattr(args, "world_size", 1),
     )
 
 
@@ -275,13 +290,29 @@ def print_report(loaded: LoadedLengths, records: list[dict[str, Any]], args: arg
     )
     print()
     print(format_table(records))
+    from smart_batching.analysis import format_schedule
+
+    schedule = format_schedule(records)
+    if schedule:
+        print()
+        print(schedule)
 
 
 def write_plot(loaded: LoadedLengths, records: list[dict[str, Any]], path: str | os.PathLike) -> str:
-    from smart_batching.analysis.plots import plot_analysis
+    """The analysis plot at ``path``; with a batch schedule also its steps at ``<stem>_schedule<suffix>``."""
+    from pathlib import Path
+
+    from smart_batching.analysis.plots import plot_analysis, plot_schedule
 
     title = f"{loaded.dataset} ({loaded.tokenizer or 'given lengths'})"
-    return os.fspath(plot_analysis(loaded.lengths, records, path, title=title))
+    written = os.fspath(plot_analysis(loaded.lengths, records, path, title=title))
+    steps = [dict(r["schedule_steps"], label=r["strategy"]) for r in records if r.get("schedule_steps")]
+    if steps:
+        p = Path(path)
+        where = p.with_name(f"{p.stem}_schedule{p.suffix}")
+        text = records[0]["schedule"]["batch_schedule"]
+        written += ", " + os.fspath(plot_schedule(steps, where, title=f"{title}: batch schedule {text}"))
+    return written
 
 
 def run(args: argparse.Namespace) -> int:

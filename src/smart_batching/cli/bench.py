@@ -121,6 +121,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="torch CPU threads, per process with --nproc (default: torch's own, or cores / nproc; "
         "1 gives steady CPU-time figures on a shared machine)",
     )  # fmt: skip
+    a = p.add_argument_group("adaptive batch size")
+    a.add_argument(
+        "--batch-schedule", default=None, metavar="SCHEDULE",
+        help="tokens (token_budget, packed) or examples (the others) per optimizer step as a function of what "
+        "was seen, e.g. 'linear:2048->16384@20%%' (see smart_batching.adaptive.schedule)",
+    )  # fmt: skip
+    a.add_argument(
+        "--schedule-unit", choices=("tokens", "examples"), default=None,
+        help="count --batch-schedule in this unit for every strategy (default: each strategy's own)",
+    )  # fmt: skip
+    a.add_argument(
+        "--lr-scaling", choices=("sqrt", "linear"), default=None,
+        help="with --batch-schedule: scale each step's learning rate by (size / first size) ** 1/2 or ** 1",
+    )  # fmt: skip
+    a.add_argument(
+        "--oom-backoff", action="store_true",
+        help="split a micro-batch that runs out of memory within its optimizer step (the Trainer's oom_backoff)",
+    )  # fmt: skip
     e = p.add_argument_group("evaluation")
     e.add_argument(
         "--eval-examples",
@@ -209,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
         device=check_device(args.device),
         threads=args.threads,
         nproc=args.nproc,
+        batch_schedule=args.batch_schedule,
+        schedule_unit=args.schedule_unit,
+        lr_scaling=args.lr_scaling,
+        oom_backoff=args.oom_backoff,
         on_record=emit,
     )
     records = run_bench(config)

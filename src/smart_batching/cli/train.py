@@ -5,6 +5,7 @@
     smart-batching train --data ../shared/data/gsm8k/train.jsonl --strategy packed --capacity 2048
     smart-batching train --data default --strategy token_budget --nproc 2          # launches torchrun
     torchrun --nproc_per_node 2 -m smart_batching train --data default --strategy packed
+    smart-batching train --strategy packed --batch-schedule "linear:4096->32768@20%" --lr-scaling sqrt
 
 With several processes every rank trains on its share of one balanced plan
 (:mod:`smart_batching.distributed`): the same number of micro-batches on every rank and equal real
@@ -66,6 +67,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs)")
     p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient-accumulation micro-batches")
+    p.add_argument(
+        "--batch-schedule", default=None, metavar="SCHEDULE",
+        help="tokens (token_budget, packed) or examples (fixed-size strategies) per optimizer step as a "
+        "function of what was seen, e.g. 'linear:4096->32768@20%%' or '0:4k 1M:16k'; each step runs as many "
+        "micro-batches of the strategy's budget as it needs (needs --grad-accum 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lr-scaling", choices=("sqrt", "linear"), default=None,
+        help="with --batch-schedule: scale each step's learning rate by (size / first size) ** 1/2 (Adam) or ** 1",
+    )  # fmt: skip
+    p.add_argument(
+        "--oom-backoff", action="store_true",
+        help="split a micro-batch that runs out of memory within its optimizer step and keep the lower budget",
+    )  # fmt: skip
     p.add_argument("--lr", type=positive_float, default=5e-4, help="learning rate (> 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="output folder (checkpoints, trainer state)")
@@ -163,9 +178,10 @@ def run(args: argparse.Namespace) -> int:
         disable_tqdm=not sys.stderr.isatty(),
     )
     imbalance: list[float] = []
+    per_step: list[int] = []
 
     class ImbalanceLogger(TrainerCallback):
-        """Per optimizer step: gather every rank's real tokens, log max / mean."""
+        """Per optimizer step: gather every rank's real tokens, log max / mean and the step's tokens."""
 
         def on_step_end(self, targs, state, control, **kw):  # noqa: ANN001
             tokens = torch.tensor([float(counter.take())])
@@ -175,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 tokens = torch.cat(gathered)
             mean = float(tokens.mean())
             imbalance.append(float(tokens.max()) / mean if mean else 1.0)
+            per_step.append(int(tokens.sum()))
 
     model = training_model.fresh()
     trainer = SmartBatchingTrainer(
@@ -186,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
         strategy_options=options,
         seed=args.seed,
         callbacks=[ImbalanceLogger()],
+        batch_schedule=args.batch_schedule,
+        lr_scaling=args.lr_scaling,
+        oom_backoff=True if args.oom_backoff else None,
     )
     checkpoint = None
     if args.resume:
@@ -209,6 +229,13 @@ def run(args: argparse.Namespace) -> int:
         "max_step_imbalance": max(imbalance) if imbalance else 1.0,
         "mean_step_imbalance": sum(imbalance) / len(imbalance) if imbalance else 1.0,
         "num_truncated": data.truncation.get("num_truncated"),
+        "batch_schedule": args.batch_schedule,
+        # A schedule's steps from its plan (exact); else as the collator counted them (the loader may
+        # collate a step ahead, so a step's count can hold the next one's).
+        "tokens_per_step": (trainer.realised_schedule() or {}).get("tokens", per_step),
+        "oom_backoffs": trainer.smart_batching.backoff_state.num_backoffs
+        if trainer.smart_batching.backoff is not None
+        else None,
     }
     if training_args.process_index == 0:
         if args.json:

@@ -298,8 +298,12 @@ def with_dpo_smart_batching(trainer_cls: type) -> type:
     if issubclass(trainer_cls, DPOSmartBatchingMixin):
         return trainer_cls
     if trainer_cls not in _MIXED:
+        # Pairs take no batch_schedule or oom_backoff, so the adaptive step (AdaptiveMixin.training_step)
+        # is left out: the trainer's own training_step runs (TRL's keeps its activation-offloading context).
         _MIXED[trainer_cls] = type(
-            f"SmartBatching{trainer_cls.__name__}", (DPOSmartBatchingMixin, trainer_cls), {}
+            f"SmartBatching{trainer_cls.__name__}",
+            (DPOSmartBatchingMixin, trainer_cls),
+            {"training_step": trainer_cls.training_step},
         )
     return _MIXED[trainer_cls]
 
@@ -311,6 +315,12 @@ def apply_dpo_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **o
         "self",
         "strategy",
     }
+    adaptive = sorted({"batch_schedule", "lr_scaling", "oom_backoff"} & set(options))
+    if adaptive:
+        raise ConfigError(
+            f"{', '.join(adaptive)} is not supported on a DPOTrainer (preference pairs): remove it, or set "
+            "a fixed max_tokens / capacity for the pairs"
+        )
     setup = {k: v for k, v in options.items() if k in setup_keys}
     spec_options = {k: v for k, v in options.items() if k not in setup_keys}
     if spec_options:

@@ -44,6 +44,7 @@ class ResumeMixin:
             checkpoint = compat.last_checkpoint(self.args.output_dir) if checkpoint else None
         self.smart_batching.resume_state = read_sampler_state(checkpoint) if checkpoint else None
         self.smart_batching.resume_checked = self.smart_batching.resume_state is None
+        self._resume_backoff(self.smart_batching.resume_state)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.args.world_size > 1:
             # Only after a run that ended well: tearing a group down while another rank still waits in
@@ -51,11 +52,25 @@ class ResumeMixin:
             _release_at_exit(self)
         return result
 
+    def _resume_backoff(self, state: Mapping[str, Any] | None) -> None:
+        """The back-off budget and counts of the checkpoint, so micro-batches split as they did."""
+        sb = self.smart_batching
+        if sb.backoff is not None and state is not None and "oom_backoff" in state:
+            sb.backoff_state.load_state_dict(state["oom_backoff"])
+
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         # transformers 5.x calls _run_epoch with keywords only.
         if self.smart_batching.stream is not None:
             return self._run_stream_epoch(*args, **kwargs)
         epoch = kwargs["epoch"]
+        if self.smart_batching.steps_per_epoch and kwargs.get("resume_from_checkpoint") is not None:
+            # Epochs of a batch schedule differ in steps: find the resumed epoch from the global step.
+            true_epoch, step = self._schedule_position(self.state.global_step)
+            if epoch < true_epoch:
+                return None  # trained before the checkpoint
+            if epoch == true_epoch:
+                kwargs["epochs_trained"] = epoch
+                kwargs["steps_trained_in_current_epoch"] = 0 if self.args.ignore_data_skip else step
         resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
         skipped = (
             kwargs.get("steps_trained_in_current_epoch", 0)
@@ -69,7 +84,8 @@ class ResumeMixin:
             num_batches = self._local_batches(epoch)
             if num_batches != kwargs["steps_in_epoch"]:
                 # Trainer sized every epoch on the first; run this one to its real end instead of cutting it.
-                logger.warning(
+                log = logger.info if self.smart_batching.steps_per_epoch else logger.warning  # expected then
+                log(
                     "epoch %d has %d batches, Trainer expected %d; running all of them",
                     epoch,
                     num_batches,
@@ -94,6 +110,11 @@ class ResumeMixin:
             state = self.smart_batching.resume_state
             if state is not None and not self.args.ignore_data_skip:
                 self._check_stream_state(state)
+                if (
+                    self.smart_batching.step_stream is not None
+                    and state.get("schedule_pass_start") is not None
+                ):
+                    self.smart_batching.step_stream.resume(int(state["schedule_pass_start"]))
                 self.smart_batching.stream_offset = int(state["epoch"]) - epoch
                 skipped = kwargs["steps_trained_in_current_epoch"] = int(state["batches_yielded"])
             elif kwargs.get("resume_from_checkpoint") is not None and not self.args.ignore_data_skip:
@@ -122,6 +143,11 @@ class ResumeMixin:
             "num_processes": self.accelerator.num_processes,
             "epoch": self.smart_batching.epoch,
             "batches_yielded": self.smart_batching.consumed,
+            "batch_schedule": None
+            if self.smart_batching.batch_schedule is None
+            else str(self.smart_batching.batch_schedule),
+            # What the schedule had seen when this pass started (the pass is replayed up to the cursor).
+            "schedule_pass_start": getattr(self.smart_batching.step_stream, "pass_start", None),
         }
 
     def _check_stream_state(self, state: Mapping[str, Any]) -> None:
@@ -138,6 +164,7 @@ class ResumeMixin:
             "seed",
             "buffer_size",
             "gradient_accumulation_steps",
+            "batch_schedule",
         ):
             if state.get(key) != now[key]:
                 raise ConfigError(
@@ -146,10 +173,23 @@ class ResumeMixin:
                     "or set ignore_data_skip=True to restart the data order"
                 )
 
+    def _schedule_position(self, global_step: int) -> tuple[int, int]:
+        """``(epoch, steps into it)`` of a global step under a batch schedule (epochs of their own length)."""
+        counts = self.smart_batching.steps_per_epoch
+        done = 0
+        for e, n in enumerate(counts):
+            if global_step < done + n:
+                return e, global_step - done
+            done += n
+        return len(counts), global_step - done
+
     def _local_batches(self, epoch: int) -> int:
-        """Micro-batches this process gets in ``epoch``: all of the plan on one process; with several, its
-        share of the balanced plan (the same number on every rank, whatever re-forming the balancer did)."""
+        """Items this process gets in ``epoch``: all of the plan on one process; with several, its share of
+        the balanced plan (the same number on every rank, whatever re-forming the balancer did); under a
+        batch schedule, the epoch's optimizer steps."""
         sampler = self.smart_batching.sampler
+        if hasattr(sampler, "stepped_plan"):
+            return sampler.stepped_plan(epoch).num_steps
         if hasattr(sampler, "distributed_plan"):
             return sampler.distributed_plan(epoch).num_steps * sampler.accum_steps
         return len(sampler.plan_for_epoch(epoch))
@@ -180,17 +220,21 @@ class ResumeMixin:
     def sampler_state(self) -> dict[str, Any] | None:
         """The cursor of the batches this process consumed (not the ones the DataLoader prefetched).
 
-        ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it.
+        ``batches_yielded`` counts this process's batches; ``num_processes`` is saved with it, and the
+        out-of-memory back-off's budget and counts (``oom_backoff``) when it is on.
         """
         if self.smart_batching.stream is not None:
-            return self._stream_state()
-        if self.smart_batching.sampler is None:
+            state = self._stream_state()
+        elif self.smart_batching.sampler is None:
             return None
-        state = self.smart_batching.sampler.state_dict()
-        epoch, consumed = self.smart_batching.epoch, self.smart_batching.consumed
-        if consumed >= self._local_batches(epoch):
-            epoch, consumed = epoch + 1, 0
-        state.update(epoch=epoch, batches_yielded=consumed, num_processes=self.accelerator.num_processes)
+        else:
+            state = self.smart_batching.sampler.state_dict()
+            epoch, consumed = self.smart_batching.epoch, self.smart_batching.consumed
+            if consumed >= self._local_batches(epoch):
+                epoch, consumed = epoch + 1, 0
+            state.update(epoch=epoch, batches_yielded=consumed, num_processes=self.accelerator.num_processes)
+        if self.smart_batching.backoff is not None:
+            state["oom_backoff"] = self.smart_batching.backoff_state.state_dict()
         return state
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -33,6 +33,16 @@ class SmartBatchingState:
         resume_state: the cursor read from the checkpoint resumed from; ``resume_checked`` once it
             was compared with where Trainer resumes.
         stream_offset: stream pass minus Trainer epoch, after a resume.
+        batch_schedule: the :class:`~smart_batching.adaptive.BatchSchedule` of step sizes, or None.
+        lr_scaling: ``"sqrt"``, ``"linear"`` or None: the learning rate of a step of another size.
+        backoff: the :class:`~smart_batching.adaptive.backoff.OomBackoff` settings, or None (off).
+        backoff_state: what the back-off did (:class:`~smart_batching.adaptive.backoff.BackoffState`),
+            saved with each checkpoint.
+        step: the optimizer step in progress (:class:`~smart_batching.hf.adaptive.StepRun`).
+        forward_done: the piece running has finished its forward pass (a failure is in backward).
+        steps_per_epoch: with a batch schedule, the optimizer steps of each epoch the run trains.
+        step_sizes: with a batch schedule, the schedule's size at each optimizer step of the run.
+        step_stream: with a batch schedule on a streamed dataset, the :class:`~smart_batching.adaptive.stream.StepStream`.
     """
 
     spec: Any
@@ -56,3 +66,12 @@ class SmartBatchingState:
     resume_state: dict[str, Any] | None = None
     resume_checked: bool = True
     stream_offset: int = 0
+    batch_schedule: Any = None
+    lr_scaling: str | None = None
+    backoff: Any = None
+    backoff_state: Any = None
+    step: Any = None
+    forward_done: bool = False
+    steps_per_epoch: list[int] | None = None
+    step_sizes: Any = None
+    step_stream: Any = None

@@ -16,6 +16,7 @@ from transformers import Trainer
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
+from smart_batching.hf.adaptive import AdaptiveMixin
 from smart_batching.hf.data import (
     _is_iterable,
     checked_lengths,
@@ -37,7 +38,7 @@ from smart_batching.sampler import SegmentDataset, SmartBatchSampler
 logger = logging.getLogger("smart_batching.hf")
 
 
-class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
+class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
     """Overrides that make a ``transformers.Trainer`` (or subclass) train on planned batches.
 
     Use :class:`SmartBatchingTrainer`, :func:`with_smart_batching` or :func:`apply_smart_batching`; the
@@ -75,6 +76,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         streaming_buffer_size: int = 10_000,
         target_logits_only: bool = True,
         empty_examples: str = "skip",
+        batch_schedule: Any = None,
+        lr_scaling: str | None = None,
+        oom_backoff: Any = None,
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -91,6 +95,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             streaming_buffer_size=streaming_buffer_size,
             target_logits_only=target_logits_only,
             empty_examples=empty_examples,
+            batch_schedule=batch_schedule,
+            lr_scaling=lr_scaling,
+            oom_backoff=oom_backoff,
         )
 
     def setup_smart_batching(
@@ -107,6 +114,9 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         streaming_buffer_size: int = 10_000,
         target_logits_only: bool = True,
         empty_examples: str = "skip",
+        batch_schedule: Any = None,
+        lr_scaling: str | None = None,
+        oom_backoff: Any = None,
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -138,6 +148,19 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
                 ``"skip"`` leaves them out of the plan and names the first rows in one warning (HF and
                 TRL train around them too), ``"error"`` refuses them with
                 :class:`~smart_batching.errors.DataError`. Streamed datasets skip them as they come.
+            batch_schedule: Tokens (token-budget strategies) or examples (fixed-size strategies) per
+                optimizer step, as a function of what was seen: ``"linear:16384->131072@20%"``,
+                ``"0:16k 5M:64k 20M:128k"`` or a :class:`~smart_batching.adaptive.BatchSchedule`. The
+                strategy's budget (``max_tokens``, ``capacity``, ``batch_size``) bounds each micro-batch;
+                a step runs as many micro-batches as its size needs. None: fixed steps of
+                ``gradient_accumulation_steps`` micro-batches.
+            lr_scaling: With ``batch_schedule``: ``"sqrt"`` (Adam) or ``"linear"`` (SGD) scales the
+                learning rate of each step by its size over the first size (:mod:`smart_batching.adaptive.lr`);
+                None keeps the scheduler's rate.
+            oom_backoff: Split a micro-batch that runs out of memory into smaller ones within the same
+                optimizer step and keep the lower budget (:mod:`smart_batching.adaptive.backoff`): True,
+                a dict of :class:`~smart_batching.adaptive.backoff.OomBackoff` options, or False. None:
+                off, unless the ``SMART_BATCHING_FAIL_*`` variables inject a fault.
 
         Raises:
             ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
@@ -168,6 +191,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             auto_budget=budget,
             guard=previous.guard if previous is not None else None,  # one guard, however often set up
         )
+        self._setup_adaptive(batch_schedule, lr_scaling, oom_backoff)
 
         if replace_collator:
             pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
@@ -238,6 +262,8 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         )
         units = dataset_units(self.train_dataset, lengths, empty_examples=self.smart_batching.empty_examples)
         args = self.args
+        if self.smart_batching.batch_schedule is not None:
+            return self._step_sampler(lengths, units)
         if args.world_size > 1:
             from smart_batching.distributed import World
             from smart_batching.distributed.sampler import DistributedSmartBatchSampler
@@ -286,10 +312,15 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             dataset = compat.remove_unused_columns(self, self.train_dataset)
         if sampler.yields_segments:
             dataset = SegmentDataset(dataset)
+        collate = self.data_collator
+        if self.smart_batching.batch_schedule is not None:  # one item per optimizer step
+            from smart_batching.adaptive.steps import StepCollator, StepDataset
+
+            dataset, collate = StepDataset(dataset), StepCollator(collate)
         args = self.args
         params: dict[str, Any] = {
             "batch_sampler": sampler,
-            "collate_fn": self.data_collator,
+            "collate_fn": collate,
             "num_workers": args.dataloader_num_workers,
             "pin_memory": args.dataloader_pin_memory,
             "persistent_workers": args.dataloader_persistent_workers,
@@ -324,6 +355,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         args = self.args
         if args.max_steps is None or args.max_steps <= 0:
             raise ConfigError("a streamed train_dataset has no length: set TrainingArguments(max_steps=...)")
+        schedule = self.smart_batching.batch_schedule
         dataset = StreamingBatchDataset(
             self.train_dataset,
             self.smart_batching.spec,
@@ -331,7 +363,7 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
             seed=self.smart_batching.seed,
             rank=args.process_index,
             world_size=args.world_size,
-            collate_fn=self.data_collator,
+            collate_fn=self.data_collator if schedule is None else None,  # steps collate their micro-batches
             empty_examples=self.smart_batching.empty_examples,
         )
         self.smart_batching.sampler = None
@@ -340,9 +372,18 @@ class SmartBatchingMixin(ResumeMixin, TokenLossMixin):
         # IterableDataset wrappers would re-shard and re-batch our already collated batches. Trainer
         # moves them to the device in _prepare_inputs.
         loader = DataLoader(dataset, batch_size=None, num_workers=args.dataloader_num_workers)
-        from smart_batching.distributed.even_steps import EvenSteps
+        from smart_batching.distributed.even_steps import EvenSteps, null_batch
 
-        self.smart_batching.even_steps = EvenSteps(loader, multiple=args.gradient_accumulation_steps)
+        make_null = null_batch
+        if schedule is not None:  # one item per optimizer step (smart_batching.adaptive.stream)
+            from smart_batching.adaptive.stream import StepStream, null_micro_batches
+
+            loader = StepStream(loader, schedule, self.data_collator, world_size=args.world_size)
+            self.smart_batching.step_stream = loader
+            make_null = null_micro_batches
+        self.smart_batching.even_steps = EvenSteps(
+            loader, multiple=args.gradient_accumulation_steps, make_null=make_null
+        )
         return DataLoader(self.smart_batching.even_steps, batch_size=None, num_workers=0)
 
 
