@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from smart_batching import compat
 from smart_batching.attention._kernels import _sdpa, _segment_attention, _varlen_attention
 from smart_batching.attention._names import PACKED_ATTENTION
 from smart_batching.attention._segments import _plan_from_cu_seq_lens, _plan_from_position_ids, _SegmentPlan
@@ -79,10 +80,17 @@ def _packed_attention(
     num_tokens = batch * q_len
     position_ids = kwargs.get("position_ids")
     attend = {"causal": causal, "window": window, "scale": scaling, "dropout": dropout}
+    # float32 where this CPU has no instructions for bf16/fp16 products (SDPA's bf16 GEMMs would take
+    # ATen's reference kernel, 4x slower); the inputs' dtype everywhere else. One cast per call, in the
+    # copy the layout change makes anyway; the output goes back to the inputs' dtype.
+    work = compat.matmul_dtype(query.device.type, query.dtype)
 
     def flat(x: torch.Tensor) -> torch.Tensor:
         # (B, H, S, D) -> (B*S, H, D): the layout varlen kernels and segment gathers index into.
-        return x.transpose(1, 2).reshape(num_tokens, x.shape[1], x.shape[-1])
+        x = x.transpose(1, 2)
+        if x.dtype != work:
+            x = x.to(work, memory_format=torch.contiguous_format)
+        return x.reshape(num_tokens, x.shape[2], x.shape[-1])
 
     plan: _SegmentPlan | None = None
     if cu_q is not None:
@@ -101,8 +109,8 @@ def _packed_attention(
 
     if plan is None or all(length == q_len for length in plan.lengths):
         # Not packed: each row is one sequence; plain SDPA on the original layout.
-        out = _sdpa(query, key, value, **attend)
-        return out.transpose(1, 2).contiguous(), None
+        out = _sdpa(query.to(work), key.to(work), value.to(work), **attend)
+        return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format), None
 
     q, k, v = flat(query), flat(key), flat(value)
     if use_varlen and query.is_cuda:
@@ -110,7 +118,7 @@ def _packed_attention(
         if out is not None:
             return out.reshape(batch, q_len, num_heads, -1), None
     out = _segment_attention(q, k, v, plan, **attend)
-    return out.reshape(batch, q_len, num_heads, -1), None
+    return out.reshape(batch, q_len, num_heads, -1).to(query.dtype), None
 
 
 def packed_attention_forward(
