@@ -48,7 +48,10 @@ class TokenLossMixin:
 
         The loss is the same sum of token cross-entropies over ``num_items_in_batch`` that the model
         (or :class:`~smart_batching.loss.TokenLoss`) computes from full logits; see ``target_logits_only``
-        in :meth:`setup_smart_batching` for when this path is taken.
+        in :meth:`setup_smart_batching` for when this path is taken. Where the LM head is a plain
+        ``Linear`` (:func:`smart_batching.compat.plain_lm_head`) it runs fused with the loss
+        (:mod:`smart_batching.hf.lm_head`): no logits are kept, and its products run in the dtype the
+        device multiplies fast (float32 under bf16 autocast on a CPU without bf16 instructions).
         """
         if not (
             num_items_in_batch is not None
