@@ -213,11 +213,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 p = torch.exp(z)
                 total = p.sum(dim=1)
                 log_total = total.log()
-                loss += (log_total - z.gather(1, t).squeeze(1)).sum()
+                picked = z.gather(1, t).squeeze(1)  # the target's logit less the row's largest
+                loss += (log_total - picked).sum()
                 p /= total[:, None]  # probabilities
                 if metrics:
-                    entropy += (log_total - (p * z).sum(dim=1)).sum()
-                    correct += (z.argmax(dim=1) == t.squeeze(1)).sum()
+                    entropy += (log_total - torch.linalg.vecdot(p, z)).sum()
+                    # The target is the argmax where its logit is the largest and no earlier one ties it;
+                    # only those rows are searched.
+                    top = picked.eq(0).nonzero().squeeze(1)
+                    if top.numel():
+                        correct += (z[top].argmax(dim=1) == t[top, 0]).sum()
                 if want_grad:
                     p.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=p.dtype))  # p - onehot
                     g = p.to(matmul_dtype)
