@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,13 +78,37 @@ def _packed_attention(
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _sliding_window(module, kwargs)
+    attend = {"causal": causal, "window": window, "scale": scaling, "dropout": dropout}
+    # The dtype attention runs in: autocast's where it is on (as SDPA and transformers' flash-attention
+    # path take it; under autocast RoPE hands over query and key in float32, value in bf16), else the
+    # inputs'. float32 instead where this CPU has no instructions for bf16/fp16 products (SDPA's bf16
+    # GEMMs would take ATen's reference kernel, 4x slower). Each input is cast once per call, in the copy
+    # the layout change makes anyway, and the kernels run with autocast off: autocast would otherwise
+    # cast every segment's slices again, forward and backward. The output is in the dtype SDPA would
+    # return (``wanted``).
+    device = query.device.type
+    autocast = torch.is_autocast_enabled(device)
+    wanted = torch.get_autocast_dtype(device) if autocast else query.dtype
+    work = compat.matmul_dtype(device, wanted)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        out = _attend(query, key, value, work, use_varlen, cu_q, kwargs, attend)
+    return out.to(wanted, memory_format=torch.contiguous_format), None
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    work: torch.dtype,
+    use_varlen: bool,
+    cu_q: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    attend: dict[str, Any],
+) -> torch.Tensor:
+    """Packed attention of ``(B, H, S, D)`` inputs in ``work``; returns ``(B, S, H, Dv)``."""
+    batch, num_heads, q_len, _ = query.shape
     num_tokens = batch * q_len
     position_ids = kwargs.get("position_ids")
-    attend = {"causal": causal, "window": window, "scale": scaling, "dropout": dropout}
-    # float32 where this CPU has no instructions for bf16/fp16 products (SDPA's bf16 GEMMs would take
-    # ATen's reference kernel, 4x slower); the inputs' dtype everywhere else. One cast per call, in the
-    # copy the layout change makes anyway; the output goes back to the inputs' dtype.
-    work = compat.matmul_dtype(query.device.type, query.dtype)
 
     def flat(x: torch.Tensor) -> torch.Tensor:
         # (B, H, S, D) -> (B*S, H, D): the layout varlen kernels and segment gathers index into.
@@ -99,7 +124,7 @@ def _packed_attention(
             # Trust the collator's boundaries: no host sync at all on this path.
             out = _varlen_attention(flat(query), flat(key), flat(value), cu_q, int(max_len), **attend)
             if out is not None:
-                return out.reshape(batch, q_len, num_heads, -1), None
+                return out.reshape(batch, q_len, num_heads, -1)
         plan = _plan_from_cu_seq_lens(cu_q, num_tokens, query.device)
         cu = cu_q
     elif position_ids is not None and position_ids.dim() <= 2:
@@ -110,15 +135,15 @@ def _packed_attention(
     if plan is None or all(length == q_len for length in plan.lengths):
         # Not packed: each row is one sequence; plain SDPA on the original layout.
         out = _sdpa(query.to(work), key.to(work), value.to(work), **attend)
-        return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format), None
+        return out.transpose(1, 2)
 
     q, k, v = flat(query), flat(key), flat(value)
     if use_varlen and query.is_cuda:
         out = _varlen_attention(q, k, v, cu, plan.max_length, **attend)
         if out is not None:
-            return out.reshape(batch, q_len, num_heads, -1), None
+            return out.reshape(batch, q_len, num_heads, -1)
     out = _segment_attention(q, k, v, plan, **attend)
-    return out.reshape(batch, q_len, num_heads, -1).to(query.dtype), None
+    return out.reshape(batch, q_len, num_heads, -1)
 
 
 def packed_attention_forward(
