@@ -299,6 +299,10 @@ def test_trainer_precision_and_checkpointing_are_read_from_the_arguments(tmp_pat
     plain = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     assert not compat.activation_checkpointing(plain)
     assert compat.trainer_autocast_dtype(transformers.Trainer(model=llama, args=plain)) is None
+    model = transformers.LlamaForCausalLM(llama.config)
+    assert not model.model.layers[0].gradient_checkpointing
+    compat.enable_activation_checkpointing(model)
+    assert model.model.layers[0].gradient_checkpointing
 
 
 def test_trl_sft_trainer_overrides_compute_loss():

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from test_target_logits import prompt_dataset, sgd_args, tiny_llama  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks  # noqa: E402
 from smart_batching.hf import SmartBatchingTrainer  # noqa: E402
@@ -95,3 +96,96 @@ def test_bf16_with_checkpointing_fused_head_equals_the_logits_path(tmp_path, mon
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     assert scale > 1e-3  # a real update was compared
     assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) <= 0.03 * scale
+
+
+class _Casts(TorchDispatchMode):
+    """Counts dtype casts (``aten._to_copy`` with a dtype) of 4-D tensors: attention's (B, H, S, D)
+    and (B, S, H, D) operands and their gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") not in (None, args[0].dtype):
+            self.count += args[0].dim() == 4
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["cpu bf16 kernels", "reference GEMM"])
+def test_checkpointed_bf16_packed_step_casts_per_layer_not_per_segment(monkeypatch, onednn):
+    """Under bf16 autocast with activation checkpointing, a packed forward and backward casts attention's
+    operands once per layer call: as many casts for a row of 16 examples as for a row of 4 (autocast
+    inside each segment's SDPA would cast every segment's slices, forward, recompute and backward); the
+    segment plan is built once per step, not again when checkpointing recomputes the layers."""
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    from smart_batching.attention import _segments, enable_packed_attention
+    from smart_batching.collate import PackingCollator
+
+    builds = []
+    build = _segments._plan_from_starts
+    monkeypatch.setattr(_segments, "_plan_from_starts", lambda *a, **k: builds.append(1) or build(*a, **k))
+    from smart_batching import compat
+
+    model = enable_packed_attention(tiny_llama()).train()
+    compat.enable_activation_checkpointing(model)
+    calls = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+    rng = torch.Generator().manual_seed(0)
+
+    def step(lengths: list[int]) -> int:
+        batch = PackingCollator(return_seq_idx=False)(
+            [{"input_ids": torch.randint(1, 300, (n,), generator=rng).tolist()} for n in lengths]
+        )
+        batch.pop("labels", None)
+        model.zero_grad()
+        with _Casts() as casts:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(**batch).logits
+            logits.float().logsumexp(-1).mean().backward()
+        assert all(p.grad is not None for p in model.model.layers.parameters())
+        return casts.count
+
+    few = step([61, 53, 44, 34])
+    many = step([5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 6, 4, 27])  # 192 tokens too
+    assert few == many > 0
+    assert len(builds) == 2  # one plan per step
+    assert len(calls) == 2 * 2 * len(model.model.layers)  # each step: forward, and the recompute
+
+
+def test_fused_head_runs_once_per_step_outside_the_checkpointed_layers(tmp_path):
+    """SmartBatchingTrainer under TRL's defaults (bf16 autocast, activation checkpointing): the LM head
+    fused with the loss runs once per micro-batch (never recomputed), the decoder layers twice (forward
+    and checkpointing's recompute), and the segment plan is built once per micro-batch."""
+    from smart_batching import compat
+    from smart_batching.attention import _segments
+
+    builds = []
+    build = _segments._plan_from_starts
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return build(*args, **kwargs)
+
+    model = tiny_llama()
+    head, layers = [], []
+    model.lm_head.register_forward_hook(lambda *_: head.append(1))
+    model.model.layers[0].self_attn.register_forward_hook(
+        lambda *_: layers.append(1)
+    )  # inside the checkpoint
+    t = SmartBatchingTrainer(
+        model=model, args=sgd_args(tmp_path, bf16=True, max_steps=2, **{compat.checkpointing_argument(): True}),
+        train_dataset=prompt_dataset(), strategy="packed", strategy_options={"capacity": 192},
+    )  # fmt: skip
+    _segments._plan_from_starts = counting
+    try:
+        t.train()
+    finally:
+        _segments._plan_from_starts = build
+    micro_batches = 2 * t.args.gradient_accumulation_steps
+    assert t.smart_batching.fused_head is True and t.smart_batching.precision["checkpointing"] is True
+    assert len(head) == micro_batches
+    assert len(layers) == 2 * micro_batches
+    assert len(builds) == micro_batches

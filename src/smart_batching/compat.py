@@ -37,7 +37,8 @@ sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 half-precision matrix products on CPU     :func:`cpu_flags`, :func:`cpu_half_matmul`, :func:`matmul_dtype`
 (oneDNN, ``/proc/cpuinfo``)
 a trainer's mixed precision, checkpointing :func:`trainer_autocast_dtype`, :func:`activation_checkpointing`,
-                                          :func:`checkpointing_argument`
+                                          :func:`checkpointing_argument`,
+                                          :func:`enable_activation_checkpointing`
 a model's LM head and logit transforms    :func:`plain_lm_head`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
@@ -508,6 +509,14 @@ def activation_checkpointing(args: Any) -> bool:
     if value is None:
         value = getattr(args, "gradient_checkpointing", False)
     return bool(value)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Turn activation checkpointing on for a ``PreTrainedModel``, as ``Trainer`` does for the argument:
+    ``activation_checkpointing_enable()`` (transformers 5.24; ``gradient_checkpointing_enable`` is its
+    deprecated alias there) or ``gradient_checkpointing_enable()``."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 # Config attributes by which a causal LM's forward rescales or caps the LM head's output (as TRL's
