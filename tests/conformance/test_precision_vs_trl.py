@@ -9,6 +9,7 @@ with our token loss (:mod:`smart_batching.hf.lm_head`). On the same packed batch
   forward), on this CPU's bf16 kernels and with torch's oneDNN kernels off (the path a CPU without
   AVX-512 takes: ATen's reference GEMM, where our products run in float32),
 * with bf16 weights and no autocast (a model loaded with ``dtype=torch.bfloat16``),
+* under bf16 autocast with activation checkpointing (TRL's ``SFTConfig`` defaults),
 
 and the loss, the gradients and TRL's logged metrics are compared within the dtype's rounding: bf16
 keeps 8 significant bits (relative rounding 2**-9), and the two implementations round at different
@@ -49,6 +50,9 @@ PRECISIONS = {
     "bf16 autocast, reference GEMM": (True, torch.float32, False, 4e-3, 0.03),
     "bf16 weights": (False, torch.bfloat16, True, 4e-3, 0.03),
 }
+# TRL's SFTConfig defaults: bf16 autocast and activation checkpointing (the layers recomputed in the
+# backward pass, the LM head and loss not).
+CHECKPOINTED = {"bf16 autocast, checkpointing (TRL's defaults)": (True, torch.float32, True, 4e-3, 0.03)}
 
 
 def sft(tmp_path, bf16: bool):
@@ -68,11 +72,13 @@ def sft(tmp_path, bf16: bool):
     return trainer
 
 
-@pytest.mark.parametrize("setting", list(PRECISIONS))
+@pytest.mark.parametrize("setting", [*PRECISIONS, *CHECKPOINTED])
 def test_our_loss_gradients_and_metrics_equal_trl_under_each_precision(tmp_path, monkeypatch, setting):
     from trl import SFTTrainer
 
-    autocast, dtype, onednn, rtol, grad_tol = PRECISIONS[setting]
+    from smart_batching import compat
+
+    autocast, dtype, onednn, rtol, grad_tol = {**PRECISIONS, **CHECKPOINTED}[setting]
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
     trainer = sft(tmp_path, bf16=autocast)
     assert trainer._target_logits_apply(trainer.model) and trainer.smart_batching.trl_metrics
@@ -80,6 +86,9 @@ def test_our_loss_gradients_and_metrics_equal_trl_under_each_precision(tmp_path,
     with torch.no_grad():  # logits of a few units, as a trained model's, so that bf16 rounding shows
         model.lm_head.weight.mul_(40.0)
     model = model.to(dtype).train()
+    if setting in CHECKPOINTED:
+        assert trainer.args.gradient_checkpointing  # TRL's default, which Trainer applies in train()
+        compat.enable_activation_checkpointing(model)
     batch = next(iter(trainer.get_train_dataloader()))
     n = (batch["labels"][..., 1:] != -100).sum()
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
