@@ -189,3 +189,33 @@ def test_fused_head_runs_once_per_step_outside_the_checkpointed_layers(tmp_path)
     assert len(head) == micro_batches
     assert len(layers) == 2 * micro_batches
     assert len(builds) == micro_batches
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
+def test_packed_attention_output_dtype_and_layout_are_sdpas(autocast):
+    """Packed attention returns what transformers' ``sdpa_attention_forward`` returns for the same call
+    (contiguous, autocast's dtype under autocast), for an unpacked batch and a packed row; under autocast
+    its inputs come as a model's do: query and key float32 (out of RoPE), value bf16."""
+    import contextlib
+
+    from smart_batching import compat
+    from smart_batching.attention.forward import packed_attention_forward
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 2  # GQA: 4 query heads, 2 key/value heads
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 10, 8, generator=g) for h in (4, 2, 2))
+    if autocast:
+        v = v.bfloat16()
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    packed = {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]] * 2)}
+    with context:
+        theirs, _ = compat.sdpa_attention_forward()(Attention(), q, k, v, None, is_causal=True)
+        for kwargs in ({}, packed):
+            ours, _ = packed_attention_forward(Attention(), q, k, v, None, **kwargs)
+            assert ours.shape == theirs.shape and ours.dtype == theirs.dtype and ours.is_contiguous()
+        same, _ = packed_attention_forward(Attention(), q, k, v, None)
+    tol = 1e-2 if autocast else 1e-5
+    torch.testing.assert_close(same.float(), theirs.float(), rtol=tol, atol=tol)

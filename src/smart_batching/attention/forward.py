@@ -92,7 +92,8 @@ def _packed_attention(
     work = compat.matmul_dtype(device, wanted)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         out = _attend(query, key, value, work, use_varlen, cu_q, kwargs, attend)
-    return out.to(wanted, memory_format=torch.contiguous_format), None
+    # Contiguous as transformers' attention functions return it (a model may .view the output).
+    return out.to(wanted).contiguous(), None
 
 
 def _attend(
