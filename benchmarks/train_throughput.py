@@ -1,7 +1,7 @@
 """Training throughput per batching strategy: real tokens per second under HF ``Trainer``, one run.
 
 Model: a Llama built from its config with random weights (hidden 256, 4 layers, 4 heads, MLP 768),
-fp32, with SmolLM2's vocabulary of 49,152 tokens (``--vocab 8192`` folds token ids modulo a smaller
+float32 weights, with SmolLM2's vocabulary of 49,152 tokens (``--vocab 8192`` folds token ids modulo a smaller
 vocabulary, so that the LM head does not dominate a CPU run). Data: the
 first ``--examples`` GSM8K train records (``../shared/data/gsm8k/train.jsonl`` from the repository
 root), rendered question/answer as plain text by :mod:`smart_batching.data.formats`, tokenised with SmolLM2
@@ -32,6 +32,24 @@ Strategies, all on the same examples, the same model initialisation and the same
                               loss and metrics (its fused LM head scores target positions only)
 ============================  ===================================================================
 
+Precision (``--precision``), the same for every row of a comparison:
+
+==========  =========================================================================================
+``bf16``    TRL's ``SFTConfig`` defaults, for every row (HF and ours too): ``bf16=True`` (autocast to
+            bfloat16, float32 weights) and activation checkpointing
+``fp32``    ``bf16=False`` and no checkpointing, for every row (TRL's rows too)
+``both``    (default) both settings, fp32 first; ratios are taken within a setting, never across
+==========  =========================================================================================
+
+Each record names its setting (``precision``: ``setting``, ``dtype``, ``autocast``,
+``checkpointing``, ``cpu_bf16``, the CPU's bf16-related flags) and its peak memory: on CUDA
+``max_memory_allocated``, on CPU the process's resident memory sampled every 10 ms
+(:class:`smart_batching.bench.machine.PeakMemory`; freed heap is handed back before each row) and
+its growth during training (``peak_memory_growth_mb``, the row's own peak). ``--onednn off`` turns torch's
+oneDNN kernels off (``torch.backends.mkldnn.enabled = False``), so bf16 matrix products take ATen's
+reference GEMM: the path they take on a CPU without AVX-512 (most AVX2 machines), measured on a
+machine that has AVX-512.
+
 By default every strategy trains one epoch over the examples, so all see exactly the same tokens;
 ``--steps N`` stops each one after ``N`` optimizer steps instead (they then see different examples).
 Time is measured per optimizer step (``on_step_begin`` to ``on_step_end``), after ``--warmup`` steps;
@@ -42,9 +60,11 @@ measure of the work each strategy costs.
 
 Usage::
 
-    python benchmarks/train_throughput.py              # 128 examples, table (about 4 min on 2 busy cores)
+    python benchmarks/train_throughput.py              # 128 examples, fp32 and bf16 rows (about 8 min idle)
     python benchmarks/train_throughput.py --quick      # 64 examples
     python benchmarks/train_throughput.py --json       # one JSON record per strategy per line
+    python benchmarks/train_throughput.py --precision bf16 --onednn off \
+        --strategies trl_packing,sft_packed            # TRL's defaults, as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -79,6 +99,9 @@ ALL_STRATEGIES = (
     "sft_packed",
 )
 BASELINE = "hf_random"
+PRECISIONS = {"fp32": (False, False), "bf16": (True, True)}  # setting -> (bf16, activation checkpointing)
+# The CPU flags that decide how bf16 matrix products run (compat.cpu_half_matmul).
+BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "bf16")
 
 
 def log(msg: str) -> None:
@@ -233,15 +256,21 @@ def run_strategy(
     out_dir: str,
     seed: int = 0,
     eval_ds: Any = None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
-    """Train one strategy on ``ds`` from the initial weights of ``seed`` (its data order too); with
-    ``eval_ds``, the record also holds the trained model's held-out loss (``eval_loss``)."""
+    """Train one strategy on ``ds`` from the initial weights of ``seed`` (its data order too), in
+    ``precision`` (a key of :data:`PRECISIONS`); with ``eval_ds``, the record also holds the trained
+    model's held-out loss (``eval_loss``)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
+    from smart_batching import compat
+    from smart_batching.bench.machine import PeakMemory, release_memory
     from smart_batching.collate import PaddingCollator
     from smart_batching.hf import SmartBatchingTrainer, make_collator
+    from smart_batching.hf.precision import describe_precision
 
+    bf16, checkpointing = PRECISIONS[precision]
     common = {
         "output_dir": out_dir,
         "use_cpu": not torch.cuda.is_available(),
@@ -257,6 +286,8 @@ def run_strategy(
         "remove_unused_columns": False,
         "seed": seed,
         "data_seed": seed,
+        "bf16": bf16,
+        compat.checkpointing_argument(): checkpointing,
     }
     pad = 0
     model = tiny_llama(opts.vocab, opts.hidden, opts.layers, seed=seed)
@@ -309,9 +340,19 @@ def run_strategy(
             target_logits_only=base == name,
         )
     trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON records
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    release_memory()  # the previous row's freed heap back to the OS, so that it does not hide this peak
+    with PeakMemory("cuda" if torch.cuda.is_available() else "cpu") as mem:
+        trainer.train()
+    setup = describe_precision(trainer)
+    setup.pop("device", None)
+    record_precision = {"setting": precision, **setup}
+    if "cpu_bf16" in setup:
+        from smart_batching.compat import cpu_flags
+
+        record_precision["cpu_flags"] = sorted(set(BF16_FLAGS) & cpu_flags())
+    state = getattr(trainer, "smart_batching", None)
+    if state is not None and "lm_head_matmul" in state.precision:
+        record_precision["lm_head_matmul"] = state.precision["lm_head_matmul"]
     steps = len(timer.times)
     warm = min(opts.warmup, max(steps - 1, 0))
     timed = timer.times[warm:]
@@ -324,6 +365,7 @@ def run_strategy(
     tail = max(1, len(losses) // 10)
     return {
         "strategy": name,
+        "precision": record_precision,
         "seed": seed,
         "eval_loss": heldout_loss(trainer.model, eval_ds) if eval_ds is not None else None,
         "settings": settings,
@@ -340,7 +382,13 @@ def run_strategy(
         "step_time_p90_s": float(np.percentile(timed, 90)) if timed else None,
         "final_loss": float(np.mean(losses[-tail:])) if losses else None,
         "train_loss": float(np.mean(losses)) if losses else None,
-        "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        # CUDA: max_memory_allocated; CPU: the sampled peak resident memory of the process, and its
+        # growth over the resident memory at the start of training (the row's own peak).
+        "peak_memory_mb": mem.peak_mb,
+        "peak_memory_growth_mb": (
+            mem.peak_mb - mem.start_mb if mem.peak_mb is not None and mem.start_mb is not None else None
+        ),
+        "memory_kind": mem.kind,
         # Other processes on the machine: a high load inflates wall time (see real_tokens_per_cpu_s).
         "load_avg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -352,8 +400,15 @@ def run_strategy(
 def environment() -> dict[str, Any]:
     import transformers
 
+    from smart_batching.bench.machine import cpu_model
+    from smart_batching.compat import cpu_flags, cpu_half_matmul
+
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "cpu": cpu_model(),
+        "cpu_flags": sorted(set(BF16_FLAGS) & cpu_flags()),
+        "onednn": bool(torch.backends.mkldnn.enabled),
+        "cpu_bf16": cpu_half_matmul(torch.bfloat16),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -363,21 +418,70 @@ def environment() -> dict[str, Any]:
     }
 
 
+# The comparisons the issue's targets name, each within one precision setting: (ours, theirs).
+PAIRS = (("sft_packed", "trl_packing"), ("packed", BASELINE))
+
+
+def add_ratios(records: list[dict[str, Any]]) -> None:
+    """``ratio_vs_random`` / ``cpu_ratio_vs_random`` (and for ``sft_packed`` ``ratio_vs_trl`` /
+    ``cpu_ratio_vs_trl``) against the row of the same precision setting."""
+
+    def find(name: str, setting: str) -> dict[str, Any] | None:
+        return next(
+            (r for r in records if r["strategy"] == name and r["precision"]["setting"] == setting), None
+        )
+
+    for r in records:
+        setting = r["precision"]["setting"]
+        for key, other in (("random", find(BASELINE, setting)), ("trl", find("trl_packing", setting))):
+            if key == "trl" and r["strategy"] != "sft_packed":
+                continue
+            r[f"ratio_vs_{key}"] = r["real_tokens_per_s"] / other["real_tokens_per_s"] if other else None
+            r[f"cpu_ratio_vs_{key}"] = (
+                r["real_tokens_per_cpu_s"] / other["real_tokens_per_cpu_s"] if other else None
+            )
+
+
+def _x(value: float | None) -> str:
+    return f"{value:>8.2f}x" if value is not None else f"{'-':>9}"
+
+
 def format_table(records: list[dict[str, Any]]) -> str:
-    base = next((r for r in records if r["strategy"] == BASELINE), None)
     head = (
-        f"{'strategy':<20} {'steps':>5} {'real tok':>9} {'padding':>8} {'real tok/s':>10} {'vs random':>9} "
-        f"{'tok/cpu-s':>9} {'vs random':>9} {'final loss':>10}"
+        f"{'strategy':<20} {'precision':<10} {'steps':>5} {'real tok':>9} {'padding':>8} {'real tok/s':>10} "
+        f"{'vs random':>9} {'tok/cpu-s':>9} {'vs random':>9} {'+peak MB':>8} {'final loss':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in records:
-        wall = r["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
-        cpu = r["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"] if base else float("nan")
+        peak = r.get("peak_memory_growth_mb")
         lines.append(
-            f"{r['strategy']:<20} {r['optimizer_steps']:>5} {r['real_tokens']:>9,} {r['padding_ratio']:>8.1%} "
-            f"{r['real_tokens_per_s']:>10,.0f} {wall:>8.2f}x {r['real_tokens_per_cpu_s']:>9,.0f} {cpu:>8.2f}x "
+            f"{r['strategy']:<20} {r['precision']['setting']:<10} {r['optimizer_steps']:>5} "
+            f"{r['real_tokens']:>9,} {r['padding_ratio']:>8.1%} {r['real_tokens_per_s']:>10,.0f} "
+            f"{_x(r.get('ratio_vs_random'))} {r['real_tokens_per_cpu_s']:>9,.0f} "
+            f"{_x(r.get('cpu_ratio_vs_random'))} {peak if peak is not None else float('nan'):>8,.0f} "
             f"{r['final_loss']:>10.3f}"
         )
+    pairs = []
+    for ours, theirs in PAIRS:
+        for r in records:
+            if r["strategy"] != ours:
+                continue
+            other = next(
+                (
+                    o
+                    for o in records
+                    if o["strategy"] == theirs and o["precision"]["setting"] == r["precision"]["setting"]
+                ),
+                None,
+            )
+            if other is not None:
+                pairs.append(
+                    f"{ours} / {theirs} at {r['precision']['setting']}: "
+                    f"{r['real_tokens_per_s'] / other['real_tokens_per_s']:.2f}x real tok/s, "
+                    f"{r['real_tokens_per_cpu_s'] / other['real_tokens_per_cpu_s']:.2f}x real tok/cpu-s"
+                )
+    if pairs:
+        lines += ["", *pairs]
     return "\n".join(lines)
 
 
@@ -393,6 +497,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps at the start")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--strategies", default=",".join(ALL_STRATEGIES))
+    parser.add_argument(
+        "--precision",
+        choices=[*PRECISIONS, "both"],
+        default="both",
+        help="bf16: TRL's defaults (bf16=True, activation checkpointing) for every row; fp32: neither",
+    )
+    parser.add_argument(
+        "--onednn",
+        choices=["on", "off"],
+        default="on",
+        help="off: torch.backends.mkldnn.enabled=False (bf16 products take ATen's reference GEMM, as on "
+        "a CPU without AVX-512)",
+    )
     parser.add_argument("--quick", action="store_true", help="64 examples")
     parser.add_argument("--json", action="store_true", help="one JSON record per strategy per line")
     opts = parser.parse_args(argv)
@@ -400,10 +517,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         opts.examples = min(opts.examples, 64)
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    torch.backends.mkldnn.enabled = opts.onednn == "on"
     strategies = [s.strip() for s in opts.strategies.split(",") if s.strip()]
     unknown = sorted(set(strategies) - set(ALL_STRATEGIES))
     if unknown:
         raise SystemExit(f"unknown strategies {unknown}; choose from {', '.join(ALL_STRATEGIES)}")
+    settings = list(PRECISIONS) if opts.precision == "both" else [opts.precision]
 
     ds, data_info = load_examples(opts.data, opts.examples, opts.vocab)
     budget, capacity = budgets(data_info, opts.batch_size)
@@ -411,28 +530,43 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     log(f"data: {data_info}; token budget {budget}, capacity {capacity}; {env}")
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in strategies:
-            t0 = time.perf_counter()
-            record = run_strategy(name, ds, opts, budget, capacity, os.path.join(tmp, name))
-            record.update(
-                model={"hidden": opts.hidden, "layers": opts.layers, "vocab": opts.vocab, "dtype": "float32"},
-                data=data_info,
-                env=env,
-            )
-            records.append(record)
-            base = next((r for r in records if r["strategy"] == BASELINE), None)
-            record["ratio_vs_random"] = (
-                record["real_tokens_per_s"] / base["real_tokens_per_s"] if base else None
-            )
-            record["cpu_ratio_vs_random"] = (
-                record["real_tokens_per_cpu_s"] / base["real_tokens_per_cpu_s"] if base else None
-            )
-            log(f"{name}: {record['real_tokens_per_s']:,.0f} real tok/s ({time.perf_counter() - t0:.0f} s)")
-            if opts.json:
-                print(json.dumps(record), flush=True)
+        for setting in settings:
+            for name in strategies:
+                t0 = time.perf_counter()
+                record = run_strategy(
+                    name,
+                    ds,
+                    opts,
+                    budget,
+                    capacity,
+                    os.path.join(tmp, f"{name}-{setting}"),
+                    precision=setting,
+                )
+                record.update(
+                    model={
+                        "hidden": opts.hidden,
+                        "layers": opts.layers,
+                        "vocab": opts.vocab,
+                        "dtype": "float32",
+                    },
+                    data=data_info,
+                    env=env,
+                )
+                records.append(record)
+                add_ratios(records)
+                log(
+                    f"{name} ({setting}): {record['real_tokens_per_s']:,.0f} real tok/s, "
+                    f"{record['real_tokens_per_cpu_s']:,.0f} real tok/cpu-s ({time.perf_counter() - t0:.0f} s)"
+                )
+                if opts.json:
+                    print(json.dumps(record), flush=True)
     if not opts.json:
         print(format_table(records))
-        print(f"\n{env['machine']}, torch threads {env['torch_threads']}, load avg {env['load_avg_1m']}")
+        print(
+            f"\n{env['machine']} ({env['cpu']}; flags {', '.join(env['cpu_flags']) or 'none'}; "
+            f"bf16 products: {env['cpu_bf16']}), torch threads {env['torch_threads']}, "
+            f"load avg {env['load_avg_1m']}"
+        )
     return records
 
 

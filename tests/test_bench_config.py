@@ -47,6 +47,7 @@ def test_keyword_only():
         ({"match_steps": "yes"}, "match_steps"),
         ({"model_options": [("hidden_size", 8)]}, "model_options"),
         ({"nproc": 2, "callbacks": [object()]}, "callbacks"),
+        ({"precision": "fp16"}, "precision"),
     ],
 )
 def test_a_bad_field_is_refused_by_name(changes, field):

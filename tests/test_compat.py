@@ -5,6 +5,8 @@ naming it, instead of a feature breaking somewhere else."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import platform
 
 import pytest
 
@@ -224,6 +226,94 @@ def test_trainer_reports_deepspeed_and_fsdp(tiny_llama_and_args):
     assert not compat.trainer_uses_deepspeed(trainer) and not compat.trainer_uses_fsdp(trainer)
     trainer.is_fsdp_enabled = True
     assert compat.trainer_uses_fsdp(trainer)
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+
+processor\t: 1
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+"""
+ARM_CPUINFO = """processor\t: 0
+Features\t: fp asimd evtstrm aes sha2 asimdhp bf16 i8mm
+CPU implementer\t: 0x41
+"""
+
+
+def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
+    assert compat.parse_cpu_flags(X86_CPUINFO) == {
+        "fpu",
+        "sse2",
+        "avx2",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+    }
+    assert {"bf16", "asimdhp", "i8mm"} <= compat.parse_cpu_flags(ARM_CPUINFO)
+    assert compat.parse_cpu_flags("model name\t: no flags here\n") == frozenset()
+    if platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo"):
+        assert "sse2" in compat.cpu_flags()  # this machine's: every x86_64 CPU has SSE2
+
+
+def test_cpu_half_matmul_follows_onednn_and_the_cpu_flags(monkeypatch):
+    """torch routes a CPU bf16 product to oneDNN only where its own check passes (else ATen's reference
+    GEMM); oneDNN runs it natively only with bf16 instructions."""
+    support = compat.cpu_half_matmul(torch.bfloat16)
+    assert support in ("native", "emulated", "reference", "unknown")
+    assert compat.cpu_half_matmul(torch.float32) == "native"
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    flags = compat.cpu_flags()
+    if not onednn:
+        assert support == "reference"
+    elif flags:
+        native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+        assert support == ("native" if native else "emulated")
+    expected = torch.bfloat16 if support in ("native", "unknown") else torch.float32
+    assert compat.matmul_dtype("cpu", torch.bfloat16) == expected
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # what an AVX2-only CPU gets
+    assert compat.cpu_half_matmul(torch.bfloat16) == "reference"
+    assert compat.matmul_dtype("cpu", torch.bfloat16) == torch.float32
+    assert compat.matmul_dtype("cuda", torch.bfloat16) == torch.bfloat16  # never second-guessed on CUDA
+    assert compat.matmul_dtype("cpu", torch.float32) == torch.float32
+
+
+def test_plain_lm_head_is_the_linear_head_unless_the_logits_are_transformed(llama):
+    head, reason = compat.plain_lm_head(llama)
+    assert head is llama.lm_head and reason is None
+    scaled = transformers.LlamaForCausalLM(llama.config)
+    scaled.config.logit_scale = 0.5  # as Cohere's config holds it
+    assert compat.plain_lm_head(scaled) == (None, "its config transforms the logits (logit_scale=0.5)")
+    scaled.config.logit_scale = 1  # no-op scale: still plain
+    assert compat.plain_lm_head(scaled)[0] is scaled.lm_head
+
+    class Head(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    other = transformers.LlamaForCausalLM(llama.config)
+    other.lm_head = Head(32, 64, bias=False)
+    assert compat.plain_lm_head(other)[0] is None and "Head" in compat.plain_lm_head(other)[1]
+
+
+def test_trainer_precision_and_checkpointing_are_read_from_the_arguments(tmp_path, llama):
+    name = compat.checkpointing_argument()
+    assert name == (
+        "activation_checkpointing" if Version("5.24") <= TRANSFORMERS else "gradient_checkpointing"
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=True, **{name: True}
+    )
+    trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(llama.config), args=args)
+    assert compat.trainer_autocast_dtype(trainer) == torch.bfloat16
+    assert compat.activation_checkpointing(args)
+    plain = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert not compat.activation_checkpointing(plain)
+    assert compat.trainer_autocast_dtype(transformers.Trainer(model=llama, args=plain)) is None
+    model = transformers.LlamaForCausalLM(llama.config)
+    assert not model.model.layers[0].gradient_checkpointing
+    compat.enable_activation_checkpointing(model)
+    assert model.model.layers[0].gradient_checkpointing
 
 
 def test_trl_sft_trainer_overrides_compute_loss():

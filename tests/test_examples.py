@@ -82,8 +82,17 @@ def test_train_throughput_benchmark_smoke(capsys):
             pytest.skip(str(exc))
         raise
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert [r["strategy"] for r in lines] == ["hf_random", "packed", "trl_packing", "sft_packed"]
+    # Both precision settings by default, fp32 first; each record names its own.
+    assert [r["strategy"] for r in lines] == ["hf_random", "packed", "trl_packing", "sft_packed"] * 2
+    assert [r["precision"]["setting"] for r in lines] == ["fp32"] * 4 + ["bf16"] * 4
+    assert {(r["precision"]["autocast"], r["precision"]["checkpointing"]) for r in lines[4:]} == {
+        ("bfloat16", True)
+    }  # TRL's SFTConfig defaults, for HF's and our rows too
     assert all(r["real_tokens_per_s"] > 0 and np.isfinite(r["final_loss"]) for r in lines)
+    assert all(r["peak_memory_mb"] > 0 for r in lines)
     assert lines[1]["padding_ratio"] == 0.0 and records[0]["ratio_vs_random"] == 1.0
+    # Ratios only against the row of the same setting.
+    assert records[4]["ratio_vs_random"] == 1.0
+    assert records[7]["ratio_vs_trl"] == records[7]["real_tokens_per_s"] / records[6]["real_tokens_per_s"]
     # TRL's packing and ours on TRL's trainer are padding-free too, over the same examples' tokens.
     assert lines[2]["padding_ratio"] == 0.0 and lines[3]["padding_ratio"] == 0.0

@@ -171,3 +171,96 @@ def test_one_pass_cross_entropy_equals_torch_including_underflow_and_ignored_row
     assert torch.isfinite(ours) and float(ours.detach()) > 290.0
     assert torch.allclose(ours, ref, rtol=1e-6)
     assert torch.allclose(g_ours, g_ref, atol=1e-6)
+
+
+def _head_case(seed: int = 3, rows: int = 2, seq: int = 40, hidden: int = 24, bias: bool = False):
+    torch.manual_seed(seed)
+    h = torch.randn(rows, seq, hidden, requires_grad=True)
+    head = torch.nn.Linear(hidden, VOCAB, bias=bias)
+    targets = torch.randint(0, VOCAB, (rows, seq))
+    targets[0, :7] = -100
+    targets[1, 30:] = -100
+    return h, head, targets
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_head_loss_gradients_and_metrics_equal_the_logits_path(monkeypatch, bias):
+    """The LM head fused with the loss (in chunks, gradients formed in the forward pass) equals
+    F.linear + cross-entropy: loss, the three gradients, and TRL's entropy / argmax metrics."""
+    from smart_batching import loss as loss_module
+    from smart_batching.loss import linear_token_loss_sum
+
+    monkeypatch.setattr(loss_module, "_CHUNK_LOGITS", 7 * VOCAB)  # chunks of 64 tokens, the last one short
+    h, head, targets = _head_case(bias=bias, seq=90)
+    with torch.no_grad():  # vocabulary entries 5 and 9 tie as the largest logit wherever h . w_5 > 0
+        head.weight[5] = head.weight[5] * 8
+        head.weight[9] = head.weight[5]
+        if bias:
+            head.bias[9] = head.bias[5]
+        top = torch.nn.functional.linear(h, head.weight, head.bias).argmax(-1)
+    hits = targets.ne(-100) & (torch.arange(targets.shape[1]) % 3 == 0)
+    targets[hits] = top[hits]  # a third of the targets are the argmax...
+    ties = targets.ne(-100) & (torch.arange(targets.shape[1]) % 3 == 1) & top.eq(5)
+    targets[ties] = 9  # ...and some are the later of two tied maxima, which is no hit (argmax: the first)
+    total, entropy, correct, scored = linear_token_loss_sum(h, head.weight, head.bias, targets, metrics=True)
+    grads = torch.autograd.grad(2.5 * total, [h, *head.parameters()])
+    logits = torch.nn.functional.linear(h, head.weight, head.bias)
+    ref = token_loss_sum(logits, targets, shift_labels=False)
+    ref_grads = torch.autograd.grad(2.5 * ref, [h, *head.parameters()])
+    torch.testing.assert_close(total, ref, rtol=1e-6, atol=1e-4)
+    for ours, theirs in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    valid = targets.ne(-100)
+    logp = torch.log_softmax(logits.detach()[valid], dim=-1)
+    assert int(scored) == int(valid.sum()) > 64  # two chunks
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(), rtol=1e-5, atol=1e-4)
+    assert int(correct) == int((logp.argmax(-1) == targets[valid]).sum()) > 10
+    assert int(ties.sum()) > 3
+
+
+def test_fused_head_under_bf16_autocast_runs_its_products_in_the_dtype_asked():
+    """Under bf16 autocast the fused head multiplies in bf16 (as autocast's F.linear does) or, where
+    the CPU has no bf16 instructions, in float32; the loss matches the autocast logits path within
+    bf16 rounding, and float32 products match the float32 loss closely."""
+    from smart_batching.loss import linear_token_loss_sum
+
+    h, head, targets = _head_case(seq=64, hidden=64)
+    fp32 = token_loss_sum(torch.nn.functional.linear(h, head.weight), targets, shift_labels=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = token_loss_sum(torch.nn.functional.linear(h, head.weight), targets, shift_labels=False)
+        (ref_grad,) = torch.autograd.grad(ref, [h])
+        half = linear_token_loss_sum(h, head.weight, None, targets)[0]  # autocast's dtype: bf16
+        (half_grad,) = torch.autograd.grad(half, [h])
+        full = linear_token_loss_sum(h, head.weight, None, targets, matmul_dtype=torch.float32)[0]
+    assert ref.dtype == half.dtype == full.dtype == torch.float32
+    torch.testing.assert_close(half, ref, rtol=2e-3, atol=0.0)
+    torch.testing.assert_close(half_grad, ref_grad, rtol=0.05, atol=2e-3)
+    torch.testing.assert_close(full, fp32, rtol=1e-6, atol=1e-4)  # float32 products: no bf16 rounding
+    assert float((half - fp32).detach().abs()) > float((full - fp32).detach().abs())  # bf16 did round
+
+
+class ScaledLlamaForCausalLM(LlamaForCausalLM):
+    """A causal LM whose forward rescales the logits without a config attribute saying so."""
+
+    def forward(self, input_ids=None, logits_to_keep=0, **kwargs):
+        out = super().forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        out.logits = out.logits * 1.0
+        return out
+
+
+def test_a_forward_that_transforms_the_head_output_falls_back_to_logits(tmp_path):
+    """The fused loss is used only where the forward returns the head's output unchanged; otherwise the
+    step is recomputed from the logits (same loss as with target_logits_only's logits), said once."""
+    torch.manual_seed(0)
+    model = ScaledLlamaForCausalLM(tiny_llama().config)
+    model.load_state_dict(tiny_llama().state_dict())
+    trainer = SmartBatchingTrainer(
+        model=model, args=sgd_args(tmp_path / "scaled"), train_dataset=prompt_dataset(), strategy="packed",
+        strategy_options={"capacity": 192},
+    )  # fmt: skip
+    with pytest.warns(FallbackWarning, match="transforms its LM head's output"):
+        loss = float(trainer.train().training_loss)
+    assert trainer.smart_batching.fused_head is False and trainer.smart_batching.target_logits is True
+    assert recorded_fallbacks() == {"trainer.fused_lm_head": 1}
+    _, ref, _, _ = run(tmp_path, "packed", {"capacity": 192}, target_logits_only=True)
+    assert abs(loss - ref) <= 1e-5

@@ -35,6 +35,12 @@ fused log-prob head, PEFT                 :func:`is_trl_preference_collator`, :d
                                           :func:`trl_backbone`, :func:`is_peft_model`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 DeepSpeed / FSDP in the Trainer           :func:`trainer_uses_deepspeed`, :func:`trainer_uses_fsdp`
+half-precision matrix products on CPU     :func:`cpu_flags`, :func:`cpu_half_matmul`, :func:`matmul_dtype`
+(oneDNN, ``/proc/cpuinfo``)
+a trainer's mixed precision, checkpointing :func:`trainer_autocast_dtype`, :func:`activation_checkpointing`,
+                                          :func:`checkpointing_argument`,
+                                          :func:`enable_activation_checkpointing`
+a model's LM head and logit transforms    :func:`plain_lm_head`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
                                           :func:`vllm_generate`, :func:`vllm_max_num_batched_tokens`,
@@ -396,6 +402,178 @@ def sequence_parallel_enabled(accelerator: Any) -> bool:
     """Whether accelerate splits each sequence across ranks (``ParallelismConfig.sp_enabled``)."""
     pc = getattr(accelerator, "parallelism_config", None)
     return bool(pc is not None and getattr(pc, "sp_enabled", False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision: how fast this CPU runs bf16/fp16 matrix products; the LM head a fused loss can stand in for
+# --------------------------------------------------------------------------------------------------
+
+# /proc/cpuinfo flags of instructions that multiply bf16 / fp16 natively: x86 AVX512-BF16 and AMX
+# (Cooper Lake, Sapphire Rapids, Zen 4), aarch64 FEAT_BF16 / FP16 arithmetic ("bf16", "asimdhp").
+_NATIVE_HALF_FLAGS = {
+    "bfloat16": frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
+    "float16": frozenset({"avx512_fp16", "amx_fp16", "asimdhp"}),
+}
+# oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA): values below these name no bf16/fp16 instructions.
+_HALF_ISA_WORDS = ("BF16", "FP16", "AMX", "AVX10")
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of a ``/proc/cpuinfo`` text: x86 ``flags`` lines, aarch64 ``Features`` lines."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags from ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpu_flags(f.read())
+    except OSError:
+        return frozenset()
+
+
+@functools.cache
+def _onednn_supports(dtype_name: str) -> bool:
+    import torch
+
+    check = {
+        "bfloat16": "_is_mkldnn_bf16_supported",
+        "float16": "_is_mkldnn_fp16_supported",
+    }[dtype_name]
+    try:
+        return bool(torch.backends.mkldnn.is_available() and getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch without the check: oneDNN is not routed to
+        return False
+
+
+def cpu_half_matmul(dtype: Any) -> str:
+    """How this CPU runs matrix products in ``dtype`` (``torch.bfloat16`` / ``torch.float16``) in torch.
+
+    * ``"native"``: oneDNN on instructions that multiply the format (AVX512-BF16, AMX, aarch64 BF16):
+      faster than float32 (measured 2.7x for bf16 on an AMD EPYC with AVX512-BF16).
+    * ``"emulated"``: oneDNN converts to float32 on the fly (AVX-512 without BF16): about 2x slower
+      than float32.
+    * ``"reference"``: torch has no oneDNN kernel for it here (an AVX2-only CPU, or
+      ``torch.backends.mkldnn.enabled = False``), so ATen's reference GEMM (``cpublas_gemm_impl``)
+      runs it: 4x to 250x slower than float32, depending on the operands' layout.
+    * ``"unknown"``: oneDNN takes it but this platform has no ``/proc/cpuinfo`` to tell which.
+
+    float32 (and any other dtype) is ``"native"``. Reads torch's own routing test
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, the check ``at::native::cpublas::gemm`` makes), the
+    ``torch.backends.mkldnn.enabled`` switch, oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``) and the CPU flags.
+    """
+    import os
+
+    import torch
+
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
+    if name is None:
+        return "native"
+    if not (torch.backends.mkldnn.enabled and _onednn_supports(name)):
+        return "reference"
+    flags = cpu_flags()
+    if not flags:
+        return "unknown"
+    if not flags & _NATIVE_HALF_FLAGS[name]:
+        return "emulated"
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    if cap != "ALL" and not any(word in cap for word in _HALF_ISA_WORDS):
+        return "emulated"
+    return "native"
+
+
+def matmul_dtype(device_type: str, dtype: Any) -> Any:
+    """The dtype in which our own matrix products (the fused LM head, packed attention) run fast for
+    inputs of ``dtype`` on ``device_type``: ``dtype`` itself, except bf16/fp16 on a CPU that does not
+    run them natively (:func:`cpu_half_matmul`), where float32 is faster (and exact for the inputs)."""
+    import torch
+
+    slow = device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if slow and cpu_half_matmul(dtype) in ("emulated", "reference") else dtype
+
+
+def trainer_autocast_dtype(trainer: Any) -> Any:
+    """The dtype a ``Trainer`` autocasts to (``torch.bfloat16`` for ``bf16=True``, ``torch.float16`` for
+    ``fp16=True``), or None. Read from its accelerator's ``mixed_precision`` ("bf16", "fp16", "no"), or
+    from ``TrainingArguments.bf16`` / ``fp16`` before the accelerator exists."""
+    import torch
+
+    mode = getattr(getattr(trainer, "accelerator", None), "mixed_precision", None)
+    if mode is None:
+        args = trainer.args
+        mode = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mode))
+
+
+def checkpointing_argument() -> str:
+    """The ``TrainingArguments`` field that turns activation checkpointing on: ``activation_checkpointing``
+    (transformers 5.24; ``gradient_checkpointing`` is its deprecated alias there) or ``gradient_checkpointing``."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def activation_checkpointing(args: Any) -> bool:
+    """Whether ``TrainingArguments`` turn activation checkpointing on: ``activation_checkpointing`` in
+    transformers 5.24, ``gradient_checkpointing`` in earlier releases and as its alias (TRL's ``SFTConfig``
+    sets it by default)."""
+    value = getattr(args, "activation_checkpointing", None)
+    if value is None:
+        value = getattr(args, "gradient_checkpointing", False)
+    return bool(value)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Turn activation checkpointing on for a ``PreTrainedModel``, as ``Trainer`` does for the argument:
+    ``activation_checkpointing_enable()`` (transformers 5.24; ``gradient_checkpointing_enable`` is its
+    deprecated alias there) or ``gradient_checkpointing_enable()``."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+# Config attributes by which a causal LM's forward rescales or caps the LM head's output (as TRL's
+# add_fused_lm_head reads them, TRL 1.16): a loss fused with the head would have to apply them too.
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
+
+
+def plain_lm_head(model: Any) -> tuple[Any, str | None]:
+    """The LM head of a causal LM whose logits are ``lm_head(hidden_states)`` and nothing more.
+
+    Returns:
+        ``(head, None)`` with ``head`` the ``torch.nn.Linear`` from ``model.get_output_embeddings()``, or
+        ``(None, reason)`` when the head is another module (a LoRA or quantised layer, a custom
+        projection) or the config asks the forward to rescale or cap the logits.
+    """
+    import torch
+
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return None, f"{type(model).__name__} has no output embeddings (get_output_embeddings())"
+    if type(head).forward is not torch.nn.Linear.forward or not isinstance(head, torch.nn.Linear):
+        return None, f"its LM head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(text, name, None)
+        if value is not None and not (name != "final_logit_softcapping" and value == 1):
+            return None, f"its config transforms the logits ({name}={value})"
+    return head, None
 
 
 # --------------------------------------------------------------------------------------------------

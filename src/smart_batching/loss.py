@@ -159,6 +159,140 @@ def kept_token_loss_sum(
     return _CrossEntropySum.apply(flat, targets.reshape(-1).to(logits.device), ignore_index)
 
 
+# Logits computed at a time by the fused LM head loss, never fewer than 64 tokens' worth. On CPU 2**23
+# float32 logits (32 MiB, as much again for their exponentials; 170 tokens of a 49,152 vocabulary): of
+# 2**20 to 2**25 the fastest on one core (AMD EPYC, 2,000 tokens: 2.97 s fp32, 1.47 s bf16; 2**20 took
+# 3.9 s and 2.4 s). On accelerators 2**25 (128 MiB), fewer and larger products and kernel launches.
+_CHUNK_LOGITS = 1 << 23
+_CHUNK_LOGITS_ACCELERATOR = 1 << 25
+_MIN_CHUNK_TOKENS = 64
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """``sum_i CE(hidden_i @ weight.T + bias, targets_i)`` without the ``(tokens, vocab)`` logits.
+
+    The logits are made ``chunk`` tokens at a time, in ``matmul_dtype``; the softmax runs in float32;
+    the gradients of ``hidden``, ``weight`` and ``bias`` are formed in the same pass (``(p - onehot)``
+    against the chunk's operands; the weight's summed in float32), so the backward pass only scales
+    them by the incoming gradient: three matrix products per chunk, as the unfused forward and backward
+    take, none of them recomputed. Optionally (``metrics``) also the entropy sum and the number of
+    tokens whose target is the argmax (the first one on ties), without gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        matmul_dtype: torch.dtype,
+        metrics: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        device = hidden.device
+        num, vocab = hidden.shape[0], weight.shape[0]
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        zero = torch.zeros((), device=device, dtype=torch.float32)
+        loss, entropy, correct = zero.clone(), zero.clone(), zero.clone()
+        grad_hidden = torch.empty_like(hidden) if want_grad else None
+        grad_weight = torch.zeros(weight.shape, device=device, dtype=torch.float32) if want_grad else None
+        grad_bias = (
+            torch.zeros(vocab, device=device, dtype=torch.float32) if want_grad and bias is not None else None
+        )
+        logits = _CHUNK_LOGITS if device.type == "cpu" else _CHUNK_LOGITS_ACCELERATOR
+        chunk = max(_MIN_CHUNK_TOKENS, logits // max(vocab, 1))
+        # Our own products run in matmul_dtype whatever autocast would pick for them.
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(matmul_dtype)
+            b = None if bias is None else bias.to(matmul_dtype)
+            for start in range(0, num, chunk):
+                h = hidden[start : start + chunk].to(matmul_dtype)
+                t = targets[start : start + chunk, None]
+                z = (torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())).float()  # (n, vocab)
+                z -= z.amax(dim=1, keepdim=True)
+                p = torch.exp(z)
+                total = p.sum(dim=1)
+                log_total = total.log()
+                picked = z.gather(1, t).squeeze(1)  # the target's logit less the row's largest
+                loss += (log_total - picked).sum()
+                p /= total[:, None]  # probabilities
+                if metrics:
+                    entropy += (log_total - torch.linalg.vecdot(p, z)).sum()
+                    # The target is the argmax where its logit is the largest and no earlier one ties it;
+                    # only those rows are searched.
+                    top = picked.eq(0).nonzero().squeeze(1)
+                    if top.numel():
+                        correct += (z[top].argmax(dim=1) == t[top, 0]).sum()
+                if want_grad:
+                    p.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=p.dtype))  # p - onehot
+                    g = p.to(matmul_dtype)
+                    grad_hidden[start : start + chunk] = torch.mm(g, w)
+                    if matmul_dtype == torch.float32:
+                        grad_weight.addmm_(g.t(), h)
+                    else:  # summed in float32, not rounded to matmul_dtype chunk after chunk
+                        grad_weight += torch.mm(g.t(), h).float()
+                    if grad_bias is not None:
+                        grad_bias += p.sum(dim=0)
+        ctx.grads = (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+        )
+        ctx.mark_non_differentiable(entropy, correct)
+        return loss, entropy, correct
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple:
+        scale = grad.float()
+        out = tuple(None if g is None else (g * scale.to(g.dtype)) for g in ctx.grads)
+        return (*out[:2], out[2], None, None, None)
+
+
+def linear_token_loss_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    matmul_dtype: torch.dtype | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    metrics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LM head and :func:`token_loss_sum` in one pass, without the ``(tokens, vocab)`` logits.
+
+    The loss of the logits ``hidden @ weight.T + bias`` against ``targets`` (no shift: ``targets[i]``
+    is what ``hidden[i]`` predicts), summed over the tokens whose target is not ``ignore_index``.
+    Only those tokens go through the head. The logits are computed a few thousand at a time in
+    ``matmul_dtype`` and never held whole; the softmax is float32.
+
+    Args:
+        hidden: ``(..., hidden_size)`` hidden states.
+        weight: ``(vocab, hidden_size)``, the LM head's weight.
+        bias: ``(vocab,)`` or None.
+        targets: ``hidden.shape[:-1]`` token ids.
+        matmul_dtype: The dtype of the three matrix products (logits, input and weight gradients);
+            None: autocast's dtype where autocast is on, else ``weight.dtype``
+            (see :func:`smart_batching.compat.matmul_dtype` for one that is fast on this device).
+        ignore_index: Target value that is not scored.
+        metrics: Also return the entropy sum and the number of tokens predicted right (argmax).
+
+    Returns:
+        ``(loss_sum, entropy_sum, num_correct, num_scored)``: float32 scalars, the last three without
+        gradient (``entropy_sum`` and ``num_correct`` are 0 unless ``metrics``).
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    wanted = targets.reshape(-1).to(flat.device)
+    rows = wanted.ne(ignore_index).nonzero().squeeze(1)
+    if matmul_dtype is None:
+        device = flat.device.type
+        matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    loss, entropy, correct = _LinearCrossEntropySum.apply(
+        flat[rows], weight, bias, wanted[rows], matmul_dtype, metrics
+    )
+    return loss, entropy, correct, torch.as_tensor(rows.numel(), device=flat.device, dtype=torch.float32)
+
+
 class TokenLoss:
     """``sum of token losses / num_items_in_batch``: a ``compute_loss_func`` for HF ``Trainer``.
 
@@ -198,6 +332,7 @@ __all__ = [
     "TokenLoss",
     "count_target_tokens",
     "kept_token_loss_sum",
+    "linear_token_loss_sum",
     "target_positions",
     "token_loss_sum",
 ]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from smart_batching import compat
 from smart_batching.attention._kernels import _sdpa, _segment_attention, _varlen_attention
 from smart_batching.attention._names import PACKED_ATTENTION
 from smart_batching.attention._segments import _plan_from_cu_seq_lens, _plan_from_position_ids, _SegmentPlan
@@ -76,13 +78,45 @@ def _packed_attention(
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _sliding_window(module, kwargs)
+    attend = {"causal": causal, "window": window, "scale": scaling, "dropout": dropout}
+    # The dtype attention runs in: autocast's where it is on (as SDPA and transformers' flash-attention
+    # path take it; under autocast RoPE hands over query and key in float32, value in bf16), else the
+    # inputs'. float32 instead where this CPU has no instructions for bf16/fp16 products (SDPA's bf16
+    # GEMMs would take ATen's reference kernel, 4x slower). Each input is cast once per call, in the copy
+    # the layout change makes anyway, and the kernels run with autocast off: autocast would otherwise
+    # cast every segment's slices again, forward and backward. The output is in the dtype SDPA would
+    # return (``wanted``).
+    device = query.device.type
+    autocast = torch.is_autocast_enabled(device)
+    wanted = torch.get_autocast_dtype(device) if autocast else query.dtype
+    work = compat.matmul_dtype(device, wanted)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        out = _attend(query, key, value, work, use_varlen, cu_q, kwargs, attend)
+    # Contiguous as transformers' attention functions return it (a model may .view the output).
+    return out.to(wanted).contiguous(), None
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    work: torch.dtype,
+    use_varlen: bool,
+    cu_q: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    attend: dict[str, Any],
+) -> torch.Tensor:
+    """Packed attention of ``(B, H, S, D)`` inputs in ``work``; returns ``(B, S, H, Dv)``."""
+    batch, num_heads, q_len, _ = query.shape
     num_tokens = batch * q_len
     position_ids = kwargs.get("position_ids")
-    attend = {"causal": causal, "window": window, "scale": scaling, "dropout": dropout}
 
     def flat(x: torch.Tensor) -> torch.Tensor:
         # (B, H, S, D) -> (B*S, H, D): the layout varlen kernels and segment gathers index into.
-        return x.transpose(1, 2).reshape(num_tokens, x.shape[1], x.shape[-1])
+        x = x.transpose(1, 2)
+        if x.dtype != work:
+            x = x.to(work, memory_format=torch.contiguous_format)
+        return x.reshape(num_tokens, x.shape[2], x.shape[-1])
 
     plan: _SegmentPlan | None = None
     if cu_q is not None:
@@ -91,7 +125,7 @@ def _packed_attention(
             # Trust the collator's boundaries: no host sync at all on this path.
             out = _varlen_attention(flat(query), flat(key), flat(value), cu_q, int(max_len), **attend)
             if out is not None:
-                return out.reshape(batch, q_len, num_heads, -1), None
+                return out.reshape(batch, q_len, num_heads, -1)
         plan = _plan_from_cu_seq_lens(cu_q, num_tokens, query.device)
         cu = cu_q
     elif position_ids is not None and position_ids.dim() <= 2:
@@ -101,16 +135,16 @@ def _packed_attention(
 
     if plan is None or all(length == q_len for length in plan.lengths):
         # Not packed: each row is one sequence; plain SDPA on the original layout.
-        out = _sdpa(query, key, value, **attend)
-        return out.transpose(1, 2).contiguous(), None
+        out = _sdpa(query.to(work), key.to(work), value.to(work), **attend)
+        return out.transpose(1, 2)
 
     q, k, v = flat(query), flat(key), flat(value)
     if use_varlen and query.is_cuda:
         out = _varlen_attention(q, k, v, cu, plan.max_length, **attend)
         if out is not None:
-            return out.reshape(batch, q_len, num_heads, -1), None
+            return out.reshape(batch, q_len, num_heads, -1)
     out = _segment_attention(q, k, v, plan, **attend)
-    return out.reshape(batch, q_len, num_heads, -1), None
+    return out.reshape(batch, q_len, num_heads, -1)
 
 
 def packed_attention_forward(

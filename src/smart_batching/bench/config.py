@@ -24,6 +24,8 @@ from smart_batching.errors import ConfigError
 from smart_batching.planners import STRATEGIES, parse_strategy
 
 DEFAULT_LR = {"causal": 1e-3, "smollm2": 5e-5, "classifier": 1e-4}
+PRECISIONS = ("fp32", "bf16", "auto")
+"""``BenchConfig.precision`` values: float32, bf16 autocast, or bf16 where a CUDA GPU supports it."""
 """Peak learning rate when ``lr`` is None: by model kind, and for SmolLM2 (pretrained) its own."""
 
 
@@ -86,6 +88,10 @@ class BenchConfig:
             ``nproc > 1``: threads of each process; None means the usable cores / ``nproc``.
         nproc: processes each run trains on (torchrun; gloo on CPU, NCCL with one GPU per process), all
             over one balanced plan; 1 trains in this process.
+        precision: ``"fp32"``, ``"bf16"`` (``TrainingArguments(bf16=True)``: bf16 autocast, float32
+            weights) or ``"auto"`` (bf16 on a CUDA GPU that supports it, float32 elsewhere); the same for
+            every strategy. Each record names it (``precision``: setting, dtype, autocast,
+            checkpointing, the CPU's bf16 support).
         model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
             ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
         batch_schedule: tokens (or examples) per optimizer step as a function of what was seen, for every
@@ -132,6 +138,7 @@ class BenchConfig:
     device: Any = None
     threads: int | None = None
     nproc: int = 1
+    precision: str = "auto"
     model_options: Mapping[str, Any] | None = None
     batch_schedule: str | None = None
     schedule_unit: str | None = None
@@ -182,6 +189,10 @@ class BenchConfig:
         for name in ("match_steps", "append", "render", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"BenchConfig: {name}= must be True or False, got {getattr(self, name)!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"BenchConfig: precision={self.precision!r} must be one of {', '.join(PRECISIONS)}"
+            )
         if self.model_options is not None and not isinstance(self.model_options, Mapping):
             raise ConfigError(f"BenchConfig: model_options= must be a dict, got {self.model_options!r}")
         from smart_batching.bench.curve import parse_eval_every
@@ -256,4 +267,4 @@ class BenchConfig:
         return cls().replace(**changes) if changes else cls()
 
 
-__all__ = ["DEFAULT_LR", "BenchConfig"]
+__all__ = ["DEFAULT_LR", "PRECISIONS", "BenchConfig"]

@@ -93,7 +93,8 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             f"**Settings:** batch_size {s.get('batch_size')} (random, max_length, group_by_length), max_tokens "
             f"{s.get('max_tokens')} (token_budget), capacity {s.get('capacity')} (packed, one row per batch), lr "
             f"{s.get('lr')} {s.get('lr_schedule')}, {s.get('optimizer')}, grad clip {s.get('max_grad_norm')}, seeds "
-            f"{', '.join(str(x) for x in s.get('seeds', []))}, device {s.get('device')}"
+            f"{', '.join(str(x) for x in s.get('seeds', []))}, device {s.get('device')}, precision "
+            f"{s.get('precision', 'fp32')}"
             + (f", {s['nproc']} processes per run." if (s.get("nproc") or 1) > 1 else "."),
         ]
     )

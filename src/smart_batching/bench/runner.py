@@ -155,6 +155,23 @@ def run_bench(config: BenchConfig | Any = None, /, **fields: Any) -> list[dict[s
         torch.set_num_threads(previous_threads)
 
 
+def resolve_precision(precision: str, device: Any) -> str:
+    """``"fp32"`` or ``"bf16"`` for a :attr:`BenchConfig.precision` on ``device`` (``"auto"``: bf16 on a
+    CUDA GPU that supports it, else fp32).
+
+    Raises:
+        ConfigError: ``"bf16"`` on a CUDA GPU without bf16 support.
+    """
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    if precision == "auto":
+        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision='bf16': this GPU does not support bf16; use precision='fp32' or 'auto'")
+    return precision
+
+
 def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
     from smart_batching.models.zoo import DEFAULT_TOKENIZERS, load_training_model
 
@@ -221,6 +238,7 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         "schedule_unit": c.schedule_unit,
         "lr_scaling": c.lr_scaling,
         "oom_backoff": dict(c.oom_backoff) if isinstance(c.oom_backoff, Mapping) else c.oom_backoff,
+        "precision": resolve_precision(c.precision, dev),
     }
     machine = machine_info(dev)
     threads_per_rank = c.threads or max(1, usable_cores() // c.nproc)

@@ -234,7 +234,7 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
         dataloader_num_workers=0,
         dataloader_pin_memory=cuda,
         use_cpu=not cuda,
-        bf16=cuda and torch.cuda.is_bf16_supported(),
+        bf16=s.get("precision", "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32") == "bf16",
         ddp_backend="gloo" if several and not cuda else None,
         # The bench models use every parameter in every step; skip DDP's per-step search for unused ones.
         ddp_find_unused_parameters=False if several and bench.model.name in BENCH_MODELS else None,
@@ -393,6 +393,7 @@ def train_run(
                 cpu = time.process_time() - cpu_start - curve.eval_cpu
         finally:
             bar.close()
+    precision = {"setting": s.get("precision"), **trainer.smart_batching.precision}
     guard = trainer.smart_batching.guard
     if guard is not None:
         guard.remove()
@@ -461,6 +462,7 @@ def train_run(
         "oom_backoff": None
         if trainer.smart_batching.backoff is None
         else trainer.smart_batching.backoff_state.state_dict(),
+        "precision": precision,
         "eval_curve": curve.curve(),
         "load_average_start": load_start,
         "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -507,6 +509,7 @@ def _finish_record(
         status="ok",
         world_size=m["world_size"],
         fallbacks=m["fallbacks"],
+        precision=m.get("precision"),
         num_steps=m["num_steps"],
         num_examples_seen=examples,
         real_tokens=real,

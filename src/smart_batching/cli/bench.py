@@ -112,6 +112,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     r.add_argument(
+        "--precision", choices=["fp32", "bf16", "auto"], default="auto",
+        help="every strategy in float32, or with bf16 autocast (TrainingArguments(bf16=True)); auto: bf16 on "
+        "a CUDA GPU that supports it, else fp32 (default: auto)",
+    )  # fmt: skip
+    r.add_argument(
         "--nproc", type=positive_int, default=1, metavar="N",
         help="processes per run: >1 trains each run under torchrun over one balanced plan "
         "(gloo on CPU, one GPU per process with NCCL) (default: 1)",
@@ -231,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         schedule_unit=args.schedule_unit,
         lr_scaling=args.lr_scaling,
         oom_backoff=args.oom_backoff,
+        precision=args.precision,
         on_record=emit,
     )
     records = run_bench(config)

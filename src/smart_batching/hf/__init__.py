@@ -32,6 +32,12 @@ What it changes, and why:
   the whole optimizer step) for models whose ``forward`` takes ``**kwargs``. For other models a
   :class:`~smart_batching.loss.TokenLoss` is installed as ``compute_loss_func`` and the token count is
   taken with the same label shift, so variable-size micro-batches are weighed by their tokens.
+* **The LM head and precision.** For a causal LM the head runs only at the target positions, fused
+  with the token loss where it is a plain ``Linear`` (:mod:`smart_batching.hf.lm_head`; no logits
+  kept), its products in the dtype the device multiplies fast: under bf16 autocast (TRL's default)
+  bf16 on CUDA and on CPUs with bf16 instructions, float32 on other CPUs (packed attention too).
+  ``trainer.smart_batching.precision`` records the run's dtype, autocast, checkpointing and the CPU's
+  bf16 support; bf16 on a CPU that runs it slowly is warned about once (:mod:`smart_batching.hf.precision`).
 * **Resume.** Positioning is left to ``Trainer`` (it skips the batches already trained with
   ``skip_first_batches``; the plan is a pure function of ``(lengths, strategy, seed, epoch)``, so the
   remaining batches are the same). Each checkpoint also holds ``smart_batching_sampler.json``, the sampler

@@ -13,6 +13,7 @@ from transformers import Trainer
 
 from smart_batching import compat
 from smart_batching.fallbacks import warn_fallback
+from smart_batching.hf.lm_head import FusedHead
 from smart_batching.loss import count_target_tokens, kept_token_loss_sum, target_positions
 
 logger = logging.getLogger("smart_batching.hf")
@@ -47,7 +48,10 @@ class TokenLossMixin:
 
         The loss is the same sum of token cross-entropies over ``num_items_in_batch`` that the model
         (or :class:`~smart_batching.loss.TokenLoss`) computes from full logits; see ``target_logits_only``
-        in :meth:`setup_smart_batching` for when this path is taken.
+        in :meth:`setup_smart_batching` for when this path is taken. Where the LM head is a plain
+        ``Linear`` (:func:`smart_batching.compat.plain_lm_head`) it runs fused with the loss
+        (:mod:`smart_batching.hf.lm_head`): no logits are kept, and its products run in the dtype the
+        device multiplies fast (float32 under bf16 autocast on a CPU without bf16 instructions).
         """
         if not (
             num_items_in_batch is not None
@@ -63,17 +67,58 @@ class TokenLossMixin:
         shifted = inputs.pop("shift_labels", None)  # labels already shifted by the collator
         targets, shift = (labels, True) if shifted is None else (shifted, False)
         keep = target_positions(targets, shift_labels=shift)
-        outputs = model(**inputs, logits_to_keep=keep)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        total = kept_token_loss_sum(logits, targets, keep, shift_labels=shift)
-        if self.smart_batching.trl_metrics:
-            self._log_trl_metrics(logits, targets, keep, shift, inputs)
+        fused = None if return_outputs else self._fused_head(model)
+        total = None
+        if fused is not None:
+            kept = (targets[..., 1:] if shift else targets)[:, keep.to(targets.device)]
+            with FusedHead(fused, kept, metrics=self.smart_batching.trl_metrics) as head:
+                outputs = model(**inputs, logits_to_keep=keep)
+            result = head.loss(outputs)
+            if result is None:
+                self._fused_head_failed(head.reason)
+            else:
+                total, entropy, correct, scored = result
+                self.smart_batching.precision.setdefault(
+                    "lm_head_matmul", str(head.matmul_dtype).removeprefix("torch.")
+                )
+                if self.smart_batching.trl_metrics:
+                    compat.log_trl_sft_metrics(self, inputs, entropy, correct, scored)
+        if total is None:
+            outputs = model(**inputs, logits_to_keep=keep)
+            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+            total = kept_token_loss_sum(logits, targets, keep, shift_labels=shift)
+            if self.smart_batching.trl_metrics:
+                self._log_trl_metrics(logits, targets, keep, shift, inputs)
         loss = total / torch.as_tensor(num_items_in_batch, device=total.device, dtype=total.dtype)
         if self.args.average_tokens_across_devices:
             # As Trainer.compute_loss: num_items_in_batch counts every rank's tokens, DDP averages gradients.
             loss_scale = self.accelerator.num_processes // self.get_tp_size()
             loss = loss * (loss_scale if self.args.n_gpu <= 1 else self.args.n_gpu)
         return (loss, outputs) if return_outputs else loss
+
+    def _fused_head(self, model: Any) -> torch.nn.Linear | None:
+        """The LM head to fuse with the loss (:mod:`smart_batching.hf.lm_head`), or None to compute the
+        logits at the target positions and the loss from them (decided once per trainer)."""
+        state = self.smart_batching
+        if state.fused_head is None:
+            head, reason = compat.plain_lm_head(self.accelerator.unwrap_model(model))
+            state.fused_head = head is not None
+            if reason is not None:
+                logger.info("smart batching: the LM head is not fused with the loss: %s", reason)
+        if not state.fused_head:
+            return None
+        return compat.plain_lm_head(self.accelerator.unwrap_model(model))[0]
+
+    def _fused_head_failed(self, reason: str | None) -> None:
+        """The forward did not return the fused loss as its logits: from now on the logits are computed,
+        at the target positions. Said once; the step is recomputed."""
+        self.smart_batching.fused_head = False
+        warn_fallback(
+            "trainer.fused_lm_head",
+            f"the LM head is not fused with the loss because {reason}: the logits at the target positions "
+            "are computed and kept for the loss (the same loss and gradients, more memory). Nothing to change.",
+            stacklevel=3,
+        )
 
     def _log_trl_metrics(
         self, logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, shift: bool, inputs: Mapping

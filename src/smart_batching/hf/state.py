@@ -18,6 +18,12 @@ class SmartBatchingState:
         length_column: dataset column of precomputed lengths.
         streaming_buffer_size: examples planned at a time when ``train_dataset`` is streamed.
         target_logits_only: the caller's setting; ``target_logits`` is what the first step decided.
+        fused_head: whether the LM head runs fused with the loss (:mod:`smart_batching.hf.lm_head`);
+            None until the first training step decides.
+        precision: what the run computes in: ``dtype`` (the model's), ``autocast`` (the mixed
+            precision dtype or None), ``checkpointing``, ``cpu_bf16`` (on CPU:
+            :func:`smart_batching.compat.cpu_half_matmul`), and once a step ran ``lm_head_matmul``
+            (the dtype of the fused LM head's matrix products).
         empty_examples: ``"skip"`` or ``"error"`` for examples with no tokens or no target token.
         trl_metrics: target-only logits stand in for TRL ``SFTTrainer``'s loss, and its metrics are logged.
         upstream: what the trainer's own data settings (TRL ``SFTConfig``, ``TrainingArguments``) came
@@ -52,6 +58,8 @@ class SmartBatchingState:
     streaming_buffer_size: int = 10_000
     target_logits_only: bool = True
     target_logits: bool | None = None
+    fused_head: bool | None = None
+    precision: dict[str, Any] = field(default_factory=dict)
     empty_examples: str = "skip"
     trl_metrics: bool = False
     upstream: dict[str, str] = field(default_factory=dict)

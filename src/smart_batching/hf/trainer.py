@@ -28,6 +28,7 @@ from smart_batching.hf.data import (
 )
 from smart_batching.hf.loss import TokenLossMixin, _detect_shift_labels
 from smart_batching.hf.packed_model import prepare_packed_model
+from smart_batching.hf.precision import describe_precision, warn_slow_cpu_precision
 from smart_batching.hf.resume import ResumeMixin
 from smart_batching.hf.state import SmartBatchingState
 from smart_batching.hf.upstream import collator_options, resolve_upstream
@@ -192,6 +193,9 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
             guard=previous.guard if previous is not None else None,  # one guard, however often set up
         )
         self._setup_adaptive(batch_schedule, lr_scaling, oom_backoff)
+
+        self.smart_batching.precision = describe_precision(self)
+        warn_slow_cpu_precision(self, self.smart_batching.precision)
 
         if replace_collator:
             pad = default_pad_token_id(getattr(self, "processing_class", None), self.model)
