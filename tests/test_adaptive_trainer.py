@@ -185,6 +185,7 @@ def test_trl_sft_trainer_with_a_schedule_and_backoff(tmp_path):
         args = trl.SFTConfig(
             output_dir=str(tmp_path / name), report_to=[], use_cpu=True, disable_tqdm=True, max_length=256,
             dataset_num_proc=None, num_train_epochs=1, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+            bf16=False,  # fp32: split micro-batches round alike; under bf16 autocast they differ by bf16's epsilon
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(copy.deepcopy(config))  # SFTTrainer sets its pad token
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
