@@ -435,6 +435,7 @@ def _finish_record(
             "num_examples_not_seen": int(data.num_train * s["epochs"] - len(m["example_ids"])),
         },
         planned=m["planned"],
+        rank_balance=m.get("rank_balance"),
         load_average_start=m["load_average_start"],
         load_average_end=m["load_average_end"],
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
