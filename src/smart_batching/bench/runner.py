@@ -239,8 +239,8 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         check_world(bench, strategies, seeds, c.nproc)  # before any process starts
     say("evaluating the initial weights ...")
     initial_model = bm.fresh(dev)
-    ev, metric, _ = evaluate_model(bench, initial_model)
-    bench.eval_initial = {**ev, "task_metric": metric}
+    ev, metric, gens = evaluate_model(bench, initial_model)
+    bench.eval_initial = {**ev, "task_metric": metric, "generations": gens}
     del initial_model
 
     runs = [(strategy, seed) for seed in seeds for strategy in strategies]
