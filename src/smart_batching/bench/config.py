@@ -40,7 +40,8 @@ class BenchConfig:
 
     Attributes:
         data: ``"default"`` (the embedded dataset), a data file or folder, or a ``datasets.Dataset``.
-        model: ``"tiny-llama"``, ``"smollm2"``, ``"minilm"`` or a transformers model object.
+        model: ``"tiny-llama"``, ``"smollm2"``, ``"minilm"``, a transformers model object, or a loaded
+            :class:`~smart_batching.models.zoo.TrainingModel` (benches that share one load).
         tokenizer: a tokenizer name or object; None means the model's own (``smollm2`` for the Llamas).
         strategies: strategy names, in run order (``random`` first: speed ratios are against it);
             options by name are allowed (``token_budget[window=512]``).
@@ -80,7 +81,8 @@ class BenchConfig:
         nproc: processes each run trains on (torchrun; gloo on CPU, NCCL with one GPU per process), all
             over one balanced plan; 1 trains in this process.
         model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
-            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
+            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers); ``{"trainable_layers": k}``
+            for both trains only the last ``k`` decoder layers and the final norm.
         callbacks: extra ``TrainerCallback`` objects for every run (``nproc=1`` only: they live in this
             process).
         on_record: called with each record as soon as it is written.
