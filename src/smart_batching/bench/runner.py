@@ -155,7 +155,7 @@ def run_bench(config: BenchConfig | Any = None, /, **fields: Any) -> list[dict[s
 
 
 def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
-    from smart_batching.models.zoo import DEFAULT_TOKENIZERS, load_training_model
+    from smart_batching.models.zoo import DEFAULT_TOKENIZERS, TrainingModel, load_training_model
 
     c = config
     out = Path(c.out_dir)
@@ -165,7 +165,9 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         records_path.unlink()
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if c.progress else (lambda msg: None)
-    say(f"loading model {c.model if isinstance(c.model, str) else type(c.model).__name__} ...")
+    loaded = isinstance(c.model, TrainingModel)
+    name = c.model if isinstance(c.model, str) else c.model.name if loaded else type(c.model).__name__
+    say(f"{'using the loaded model' if loaded else 'loading model'} {name} ...")
     model_options = dict(c.model_options) if c.model_options is not None else None
     bm = load_training_model(c.model, tokenizer=c.tokenizer, model_options=model_options)
     say(f"preparing data {c.data if isinstance(c.data, (str, os.PathLike)) else type(c.data).__name__} ...")
