@@ -130,6 +130,21 @@ def test_a_run_on_another_device_is_labelled_and_not_compared(demo_records):
     assert generation_table(records)[0]["outputs"][-1][0] == "packed, 2 processes, cpu"
 
 
+def test_the_distributed_run_shares_the_batch_between_its_processes():
+    """Each process takes 1/nproc of the one-process batch, so a step holds about as many tokens."""
+    from smart_batching.bench.demo import distributed_config
+
+    config = distributed_config(DEMO_CONFIG.replace(capacity=512), device="cpu")
+    assert config.strategies == (DEMO_DISTRIBUTED,) and config.nproc == DEMO_NPROC and config.append
+    assert config.batch_size == DEMO_CONFIG.batch_size // DEMO_NPROC and config.capacity == 512 // DEMO_NPROC
+    assert config.max_tokens is None and config.device == "cpu"
+    assert (config.num_examples, config.lr, config.model) == (
+        DEMO_CONFIG.num_examples,
+        DEMO_CONFIG.lr,
+        "smollm2",
+    )
+
+
 def test_the_command_for_the_other_strategies_parses_with_the_same_settings():
     argv = shlex.split(rest_command())
     assert argv[:2] == ["smart-batching", "bench"]

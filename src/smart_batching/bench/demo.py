@@ -9,7 +9,9 @@ with the docstring), truncated short, with only the last decoder layers and the 
    examples (:func:`~smart_batching.bench.runner.run_bench`);
 2. once more with :data:`DEMO_DISTRIBUTED` on :data:`DEMO_NPROC` processes (torchrun, gloo on CPU; on
    a machine with fewer GPUs than processes this run trains on the CPU), each example once, on one
-   of the processes, with the per-step balance of the processes' work recorded;
+   of the processes, each process's batch a half of the one-process batch (so a step holds about as
+   many tokens and the fine-tune takes about as many steps), with the per-step balance of the
+   processes' work recorded (:func:`distributed_config`);
 3. renders one report whose first section, :func:`demo_lead`, holds what a person came for: speed-up,
    padding, memory and held-out loss before and after, then the greedy generations of the initial
    weights and of every run side by side for a few held-out prompts; the benches' full sections
@@ -41,13 +43,13 @@ DEMO_NPROC = 2
 DEMO_CONFIG = BenchConfig(
     data="default",
     model="smollm2",
-    model_options={"trainable_layers": 4},
+    model_options={"trainable_layers": 8},
     strategies=DEMO_STRATEGIES,
     seeds=(0,),
     num_examples=64,
     batch_size=8,
     max_length=64,
-    lr=1e-3,
+    lr=5e-4,
     eval_examples=24,
     num_generations=3,
     max_new_tokens=24,
@@ -75,6 +77,27 @@ def distributed_device(config: BenchConfig) -> Any:
     if torch.cuda.is_available() and torch.cuda.device_count() >= DEMO_NPROC:
         return None
     return "cpu"
+
+
+def distributed_config(config: BenchConfig, *, device: Any = None) -> BenchConfig:
+    """The distributed bench of a demo config: :data:`DEMO_DISTRIBUTED` on :data:`DEMO_NPROC` processes,
+    appended to the same records, each process's batch (``batch_size``, and ``max_tokens`` / ``capacity``
+    when given) divided by the processes, so that an optimizer step takes about as many tokens as one
+    step of the one-process runs and the fine-tune takes about as many steps."""
+
+    def share(value: int | None) -> int | None:
+        return None if value is None else max(1, value // DEMO_NPROC)
+
+    return config.replace(
+        strategies=(DEMO_DISTRIBUTED,),
+        nproc=DEMO_NPROC,
+        batch_size=share(config.batch_size),
+        max_tokens=share(config.max_tokens),
+        capacity=share(config.capacity),
+        threads=None,
+        device=device,
+        append=True,
+    )
 
 
 def run_demo_bench(
@@ -111,15 +134,7 @@ def run_demo_bench(
     single = config.replace(model=model, model_options=None, out_dir=out, progress=progress, append=False)
     records = run_bench(single)
     if len(records) == len(single.strategies):  # not interrupted
-        run_bench(
-            single.replace(
-                strategies=(DEMO_DISTRIBUTED,),
-                nproc=DEMO_NPROC,
-                threads=None,
-                device=distributed_device(config),
-                append=True,
-            )
-        )
+        run_bench(distributed_config(single, device=distributed_device(config)))
     records_path = out / RECORDS_NAME
     if not records_path.exists():
         raise KeyboardInterrupt  # interrupted before the first run finished: nothing to report
@@ -301,8 +316,10 @@ def demo_lead(
         n = r.get("world_size")
         doc.h(3, f"{run_label(r)}: the processes' work, step by step")
         doc.p(
-            f"Each optimizer step every process trains its own micro-batch of the one balanced plan, and the step "
-            f"waits for the slowest. Token slots (rows x padded width) per process and step, as measured: "
+            f"Each optimizer step every process trains its own micro-batch of the one balanced plan (batch_size "
+            f"{(r.get('settings') or {}).get('batch_size')} and capacity {(r.get('settings') or {}).get('capacity')} "
+            f"per process: a step holds about as many tokens as a one-process step), and the step waits for the "
+            f"slowest process. Token slots (rows x padded width) per process and step, as measured: "
             f"balance {bal['mean']:.2f} on average, {bal['max']:.2f} at worst."
         )
         head = ["step", *(f"process {i}" for i in range(n)), "max / mean"]
@@ -356,6 +373,7 @@ __all__ = [
     "DEMO_STRATEGIES",
     "DemoResult",
     "demo_lead",
+    "distributed_config",
     "demo_text",
     "generation_table",
     "headline_rows",
