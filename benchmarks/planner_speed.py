@@ -9,7 +9,10 @@ Three sections, all on the same lengths:
 * ``speed``: each of our strategies (batch size 8, ``max_tokens`` = ``capacity`` = 4096), best of
   ``--repeat`` runs after a compile warm-up on 10k examples, with efficiency and memory: the
   tracemalloc peak of one extra run (numpy and numba allocations both go through it) and the
-  bytes of the plan itself, both per example.
+  bytes of the plan itself, both per example. Each is also given as a ratio to numpy's stable
+  argsort of the same lengths, timed in the same run (best of ``--repeat``, before and after the
+  strategies), in wall time and in process CPU time (steadier on a shared machine). Target:
+  every strategy at most :data:`TARGET_OVER_ARGSORT` x argsort at 10M lengths.
 * ``anchor``: transformers' ``LengthGroupedSampler`` (the same algorithm as our
   ``group_by_length``; time of ``list(iter(sampler))`` at ``--n``, the Python list of lengths built
   beforehand) and TRL's ``pack_dataset(..., strategy="bfd")`` (``trl.data_utils``, on a
@@ -57,6 +60,10 @@ from smart_batching.analysis import DEFAULT_STRATEGIES, parse_strategy
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 WARMUP_N = 10_000
+TARGET_OVER_ARGSORT = 0.75
+"""Most time any strategy may take, as a multiple of ``np.argsort(lengths, kind="stable")`` on the
+same lengths in the same run, at :data:`TARGET_N` lengths (issue 23)."""
+TARGET_N = 10_000_000
 
 
 def log(msg: str) -> None:
@@ -115,13 +122,14 @@ def time_ours(
 ) -> dict:
     base, opts = spec_options(name, batch_size, capacity, int(lengths.max()))
     plan_batches(lengths[:WARMUP_N], base, seed=0, **opts)  # compile / load the numba kernels
-    best = float("inf")
+    best = best_cpu = float("inf")
     plan = None
     for _ in range(repeat):
         plan = None  # free the previous plan before timing the next
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         plan = plan_batches(lengths, base, seed=0, **opts)
         best = min(best, time.perf_counter() - start)
+        best_cpu = min(best_cpu, time.process_time() - cpu)
     st = plan.stats()
     rec = {
         "section": "speed",
@@ -129,6 +137,7 @@ def time_ours(
         "implementation": "smart_batching",
         "n": int(lengths.size),
         "seconds": best,
+        "cpu_seconds": best_cpu,
         "efficiency": st.efficiency,
         "num_batches": st.num_batches,
         "num_rows": st.num_rows,
@@ -144,6 +153,33 @@ def time_ours(
         tracemalloc.stop()
         del plan
         rec["peak_bytes_per_example"] = peak / lengths.size
+    return rec
+
+
+def time_argsort(lengths: np.ndarray, repeat: int) -> tuple[float, float]:
+    """Best wall and process CPU seconds of ``np.argsort(lengths, kind="stable")`` over ``repeat`` runs."""
+    wall = cpu = float("inf")
+    for _ in range(repeat):
+        start, c = time.perf_counter(), time.process_time()
+        np.argsort(lengths, kind="stable")
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - c)
+    return wall, cpu
+
+
+def with_argsort_ratio(rec: dict, argsort: tuple[float, float]) -> dict:
+    """``rec`` with its time as a multiple of numpy's stable argsort of the same lengths (same run)."""
+    wall, cpu = argsort
+    rec["argsort_seconds"], rec["argsort_cpu_seconds"] = wall, cpu
+    rec["seconds_over_argsort"] = rec["seconds"] / wall
+    rec["cpu_over_argsort"] = rec["cpu_seconds"] / cpu
+    rec["target_over_argsort"] = TARGET_OVER_ARGSORT
+    # The target is for 10M lengths: below a few million `packed` fills rows exactly and refines them.
+    rec["meets_target"] = rec["seconds_over_argsort"] <= TARGET_OVER_ARGSORT if rec["n"] >= TARGET_N else None
+    rec["ratio_note"] = (
+        f"{rec['seconds_over_argsort']:.2f}x argsort (cpu {rec['cpu_over_argsort']:.2f}x; target "
+        f"<= {TARGET_OVER_ARGSORT}x)"
+    )
     return rec
 
 
@@ -452,12 +488,18 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict] = []
     ours: dict[str, dict] = {}
+    before = time_argsort(lengths, args.repeat)  # numpy's stable argsort, the yardstick of this run
     for name in DEFAULT_STRATEGIES:
         rec = time_ours(lengths, name, args.batch_size, args.capacity, args.repeat, not args.no_memory)
         rec["capacity"] = args.capacity
         ours[name] = rec
         records.append(rec)
         log(f"ours {name}: {rec['seconds']:.3f} s")
+    after = time_argsort(lengths, args.repeat)
+    argsort = (min(before[0], after[0]), min(before[1], after[1]))
+    log(f"numpy stable argsort: {argsort[0]:.3f} s (cpu {argsort[1]:.3f} s)")
+    for rec in ours.values():
+        with_argsort_ratio(rec, argsort)
 
     if not args.no_anchors:
         hf = hf_length_grouped(lengths[:hf_n], args.batch_size, args.seed)
@@ -508,6 +550,17 @@ def main(argv: list[str] | None = None) -> int:
             f"numba {env['numba']}, transformers {env['transformers']}, trl {env['trl']}"
         )
         print(format_table(records))
+        speed = [r for r in records if r["section"] == "speed"]
+        verdict = f"the target holds at {TARGET_N:,} lengths (this run: {args.n:,})"
+        if args.n >= TARGET_N:
+            missed = [r["strategy"] for r in speed if not r["meets_target"]]
+            verdict = f"{len(speed) - len(missed)} of {len(speed)} meet it" + (
+                f" (missed: {', '.join(missed)})" if missed else ""
+            )
+        print(
+            f"speed: numpy stable argsort of the same {args.n:,} lengths took {argsort[0]:.3f} s "
+            f"(cpu {argsort[1]:.3f} s); target: every strategy <= {TARGET_OVER_ARGSORT}x argsort; {verdict}"
+        )
         print("long context (packed auto against bfd, side by side):")
         print(format_long_context(records))
         print(

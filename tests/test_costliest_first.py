@@ -10,28 +10,34 @@ from dataclasses import fields, replace
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 from test_planners import check_plan
 
 import smart_batching as sb
 from smart_batching.distributed import distribute
 from smart_batching.errors import ConfigError
 from smart_batching.planners import REGISTRY, GroupByLengthSpec, make_spec
+from smart_batching.planners._common import lay_out
 from smart_batching.streaming import StreamingBatcher
 
-CONFIGS = {
-    "group_by_length": dict(batch_size=4),
-    "group_by_length[sorted]": dict(batch_size=4, mode="sorted"),
-    "group_by_length[sorted,drop_last]": dict(batch_size=5, mode="sorted", drop_last=True),
-    "token_budget": dict(max_tokens=256),
-    "token_budget[multiple]": dict(max_tokens=256, batch_size_multiple=4),
-    "packed": dict(capacity=256),
-    "packed[bfd]": dict(capacity=256, algorithm="bfd"),
-    "packed[fill,3 rows]": dict(capacity=256, algorithm="fill", rows_per_batch=3),
-}
+
+def leads(spec) -> bool:
+    return spec.leads_with_costliest()
+
+
+def has_option(spec) -> bool:
+    return "costliest_first" in type(spec).__dataclass_fields__
+
+
+# Every registered strategy whose plans lead with the costliest batch, with the option sets its spec
+# gives (lengths of at most 250 tokens); OPTIONAL: those where it is the costliest_first option.
+CONFIGS = {p.id: p.values[1] for p in cases(250, leads)}
+STRATEGY_OF = {p.id: p.values[0] for p in cases(250, leads)}
+OPTIONAL = [p for p in cases(250, lambda s: leads(s) and has_option(s), first_only=True)]
 
 
 def strategy_of(key: str) -> str:
-    return key.split("[")[0]
+    return STRATEGY_OF[key]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +80,8 @@ def raw_plan(lengths: np.ndarray, key: str, seed: int, epoch: int) -> list[list[
     spec = make_spec(name, **CONFIGS[key])
     rng = np.random.default_rng(np.random.SeedSequence([seed, epoch]))
     parts = REGISTRY[name][1](lengths, spec, rng)
-    ids = parts.segments.example_ids[parts.order]
-    bounds = parts.row_offsets[parts.batch_offsets]
+    segments, batches = lay_out(parts.segments, parts.batches)  # the planner's shuffle, nothing moved
+    ids, bounds = segments.example, batches.bounds
     return [ids[bounds[b] : bounds[b + 1]].tolist() for b in range(len(bounds) - 1)]
 
 
@@ -103,13 +109,11 @@ def test_one_swap_with_batch_zero(key: str, lengths: np.ndarray) -> None:
         expected[0], expected[k] = raw[k], raw[0]
         assert got == expected
         swaps += k > 0
-    if key != "group_by_length":  # megabatch mode has the longest example at the front already
+    if CONFIGS[key].get("mode") != "megabatch":  # megabatch mode has the longest example first already
         assert swaps > 0, "no seed moved a batch: the test would pass without the rule"
 
 
-@pytest.mark.parametrize(
-    "name, options", [("token_budget", CONFIGS["token_budget"]), ("packed", CONFIGS["packed"])]
-)
+@pytest.mark.parametrize("name, options", OPTIONAL)
 def test_costliest_first_off_is_the_planner_order(name: str, options: dict, lengths: np.ndarray) -> None:
     for seed in range(3):
         off = sb.plan_batches(lengths, name, seed=seed, costliest_first=False, **options)
@@ -119,7 +123,7 @@ def test_costliest_first_off_is_the_planner_order(name: str, options: dict, leng
         assert sorted(map(sorted, on.to_lists())) == sorted(map(sorted, off.to_lists()))
 
 
-@pytest.mark.parametrize("name", ["token_budget", "packed"])
+@pytest.mark.parametrize("name", [p.values[0] for p in OPTIONAL])
 def test_costliest_first_must_be_a_bool(name: str) -> None:
     with pytest.raises(ConfigError, match="costliest_first="):
         make_spec(name, costliest_first="no")
@@ -195,7 +199,13 @@ def stream_measure(batches: list[list[int]], lengths: np.ndarray, name: str, opt
     return measure([lengths[np.asarray(b, dtype=np.int64)] for b in batches], None, packs_rows)
 
 
-@pytest.mark.parametrize("key", [k for k in CONFIGS if "drop_last" not in k])
+# A stream plans a buffer at a time (no window=) and emits its last batch (no drop_last).
+STREAMED = [
+    k for k, options in CONFIGS.items() if not options.get("drop_last") and options.get("window") is None
+]
+
+
+@pytest.mark.parametrize("key", STREAMED)
 def test_stream_first_round_costliest_first(key: str, lengths: np.ndarray) -> None:
     name, options = strategy_of(key), CONFIGS[key]
     for seed in range(3):
@@ -205,9 +215,7 @@ def test_stream_first_round_costliest_first(key: str, lengths: np.ndarray) -> No
         assert_costliest_first(*stream_measure(batches, lengths, name, options), name)
 
 
-@pytest.mark.parametrize(
-    "name, options", [("token_budget", CONFIGS["token_budget"]), ("packed", CONFIGS["packed"])]
-)
+@pytest.mark.parametrize("name, options", OPTIONAL)
 def test_stream_first_round_only(name: str, options: dict, lengths: np.ndarray) -> None:
     """With a small buffer, one swap inside the first round; later rounds are as without the rule."""
     swaps = 0
@@ -253,13 +261,8 @@ def without_rule(plan: sb.BatchPlan) -> sb.BatchPlan:
     return replace(plan, spec=spec)
 
 
-DIST_STRATEGIES = [
-    ("group_by_length", dict(batch_size=8)),
-    ("group_by_length", dict(batch_size=8, mode="sorted")),
-    ("token_budget", dict(max_tokens=4096)),
-    ("packed", dict(capacity=4096)),
-    ("packed", dict(capacity=2048, rows_per_batch=2)),
-]
+# Lengths of at most 2,000 tokens (the heavy-tailed fixture).
+DIST_STRATEGIES = cases(2000, leads)
 
 
 def step_signature(d, step: int) -> tuple:
@@ -277,7 +280,7 @@ def test_distributed_step_zero_holds_the_costliest(
     before = distribute(without_rule(plan), world_size, accum_steps=accum, seed=1)
     packs_rows = plan.spec.packs_rows
     slots = d.assignment.reshape(-1)
-    lens = [plan.seg_lengths[d.unit_segments(u)] for u in slots.tolist() if u >= 0]
+    lens = [plan.seg_lengths[d.micro_batch_segments(m)] for m in slots.tolist() if m >= 0]
     foot, longest = measure(lens, None, packs_rows)
     full = np.full(slots.shape[0], -1)
     full[slots >= 0] = foot
@@ -293,7 +296,7 @@ def test_distributed_step_zero_holds_the_costliest(
         top = max(zip(full, full_longest, strict=True))
         assert max(firsts) == top
     # A permutation of whole steps: the same units, the same steps, balance exactly as before.
-    for name in ("segment_order", "unit_start", "unit_end", "unit_cost"):
+    for name in ("segment_order", "micro_batch_start", "micro_batch_end", "micro_batch_cost"):
         np.testing.assert_array_equal(getattr(d, name), getattr(before, name))
     assert sorted(step_signature(d, s) for s in range(d.num_steps)) == sorted(
         step_signature(before, s) for s in range(before.num_steps)
@@ -319,7 +322,7 @@ def test_distributed_rule_moves_steps(heavy_tailed) -> None:
         moved += not np.array_equal(d.assignment, before.assignment)
         # The issue's case: the longest example is in micro-batch 0 of the first step on some rank.
         assert (
-            max(int(heavy_tailed[d.unit_examples(int(u))].max()) for u in d.assignment[0, :, 0])
+            max(int(heavy_tailed[d.micro_batch_examples(int(m))].max()) for m in d.assignment[0, :, 0])
             == heavy_tailed.max()
         )
     assert moved >= 3
@@ -352,7 +355,7 @@ def test_distributed_sampler_yields_the_costliest_first(heavy_tailed) -> None:
 def test_range_sums_and_maxima_in_any_order(overlap: bool) -> None:
     """Sums and maxima of ranges in shuffled order (a distributed plan's micro-batches), empty ranges
     and overlapping ones included, equal a plain loop over them."""
-    from smart_batching.planners._spec import range_sums_and_maxima
+    from smart_batching.plan import range_sums_and_maxima
 
     rng = np.random.default_rng(4)
     values = rng.integers(1, 1000, size=500)

@@ -56,7 +56,7 @@ def test_returns_fresh_lists(records):
 
 def test_deterministic_across_processes_and_fast():
     """Same records in a clean interpreter as here, after pytest and transformers patched stdlib."""
-    from smart_batching import default_data
+    from smart_batching.data import default_data
 
     with contextlib.suppress(ImportError):
         import transformers  # noqa: F401 - it adds methods to logging.Logger on import

@@ -11,17 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from strategy_cases import cases
 
 from smart_batching.distributed import World, shutdown
 from smart_batching.distributed.sampler import DistributedSmartBatchSampler
 from smart_batching.errors import ConfigError
 
 LENGTHS = np.random.default_rng(11).integers(4, 60, 203)
-STRATEGIES = [
-    ("packed", dict(capacity=128)),
-    ("token_budget", dict(max_tokens=160)),
-    ("random", dict(batch_size=4)),
-]
+# Every registered strategy with the first option set its spec gives for these lengths.
+STRATEGIES = [tuple(p.values) for p in cases(int(LENGTHS.max()), first_only=True)]
 
 
 def _init(rank: int, world_size: int, store: str) -> None:
@@ -77,7 +75,7 @@ def _worker(rank: int, world_size: int, store: str, out: str) -> None:
         sampler = DistributedSmartBatchSampler(LENGTHS, name, world=world, accum_steps=2, seed=3, **options)
         epochs = [list(sampler), list(sampler)]
         report[name] = epochs
-        assert len(epochs[0]) == len(sampler.distributed_plan(0).rank_units(rank))
+        assert len(epochs[0]) == len(sampler.distributed_plan(0).rank_micro_batches(rank))
         first = epochs[0]
         for k in range(len(first) + 1):
             s = DistributedSmartBatchSampler(LENGTHS, name, world=world, accum_steps=2, seed=3, **options)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 
 import smart_batching as sb
 from smart_batching.distributed import World, distribute
@@ -15,8 +16,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def seen_examples(d) -> np.ndarray:
-    units = [u for r in range(d.world_size) for u in d.rank_units(r) if u >= 0]
-    return np.concatenate([d.unit_examples(u) for u in units]) if units else np.zeros(0, np.int64)
+    mbs = [m for r in range(d.world_size) for m in d.rank_micro_batches(r) if m >= 0]
+    return np.concatenate([d.micro_batch_examples(m) for m in mbs]) if mbs else np.zeros(0, np.int64)
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +26,23 @@ def heavy_tailed() -> np.ndarray:
     return np.clip(rng.lognormal(5.0, 0.7, 3001), 8, 2000).astype(np.int64)
 
 
-STRATEGIES = [
-    ("random", dict(batch_size=8)),
-    ("group_by_length", dict(batch_size=8)),
-    ("token_budget", dict(max_tokens=4096)),
-    ("packed", dict(capacity=4096)),
-    ("packed", dict(capacity=2048, rows_per_batch=2)),
-]
+# Every registered strategy with the option sets its spec gives for lengths of at most 2,000 tokens;
+# DEFAULTS: each strategy's first set (the balance targets hold for those).
+STRATEGIES = cases(2000)
+DEFAULTS = cases(2000, first_only=True)
+
+
+def check_limits(plan, segs: np.ndarray, options: dict) -> None:
+    """A micro-batch within the strategy's limits, and within those its options name."""
+    lens = plan.seg_lengths[segs]
+    assert plan.spec.micro_batch_limits().fits(lens)
+    if "capacity" in options:
+        assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
+    if "max_tokens" in options:
+        assert lens.size * lens.max() <= options["max_tokens"]
+    if "batch_size" in options:
+        bs = options["batch_size"]
+        assert lens.size <= bs + max(1, bs // 8)
 
 
 @pytest.mark.parametrize("strategy, options", STRATEGIES)
@@ -44,20 +55,15 @@ def test_every_example_once_equal_steps(heavy_tailed, strategy, options, world_s
     # Every rank has the same number of micro-batches: steps × accum.
     assert d.assignment.shape == (d.num_steps, world_size, accum)
     for r in range(world_size):
-        assert d.rank_units(r).shape[0] == d.num_steps * accum
-    # The ragged tail is absorbed by splitting, not by empty slots, when units can be split.
+        assert d.rank_micro_batches(r).shape[0] == d.num_steps * accum
+    # The ragged tail is absorbed by splitting, not by empty slots, when micro-batches can be split.
     assert d.num_empty_slots == 0
-    # Units respect the strategy's limits after balancing.
-    for u in range(len(d.unit_start)):
-        segs = d.unit_segments(u)
-        lens = plan.seg_lengths[segs]
-        if strategy == "packed":
-            assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
-        if strategy == "token_budget":
-            assert len(lens) * lens.max() <= options["max_tokens"]
+    # Micro-batches respect the strategy's limits after balancing.
+    for m in np.unique(d.assignment):
+        check_limits(plan, d.micro_batch_segments(int(m)), options)
 
 
-@pytest.mark.parametrize("strategy, options", STRATEGIES)
+@pytest.mark.parametrize("strategy, options", DEFAULTS)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_balanced_on_heavy_tailed_lengths(heavy_tailed, strategy, options, world_size) -> None:
     plan = sb.plan_batches(heavy_tailed, strategy, seed=2, **options)
@@ -100,8 +106,8 @@ def test_attention_cost() -> None:
     )
     tokens = distribute(plan, 2, cost="tokens")
     attention = distribute(plan, 2, cost="attention")
-    assert attention.unit_cost.sum() == (np.array([100, 100] + [10] * 10) ** 2).sum()
-    assert tokens.unit_cost.sum() == 300
+    assert attention.micro_batch_cost.sum() == (np.array([100, 100] + [10] * 10) ** 2).sum()
+    assert tokens.micro_batch_cost.sum() == 300
 
 
 def test_world_validation_and_detect(monkeypatch) -> None:
@@ -143,16 +149,11 @@ def gsm8k_lima_lengths() -> dict[str, np.ndarray]:
     return out
 
 
-REAL_STRATEGIES = [
-    ("random", dict(batch_size=8)),
-    ("max_length", dict(batch_size=8, max_length=4096)),
-    ("group_by_length", dict(batch_size=8)),
-    ("group_by_length", dict(batch_size=4)),
-    ("token_budget", dict(max_tokens=8192)),
-    ("token_budget", dict(max_tokens=4096)),
-    ("packed", dict(capacity=4096)),
-    ("packed", dict(capacity=2048, rows_per_batch=2)),
-]
+# Every registered strategy with the first option set its spec gives for examples of up to 4,096
+# tokens (longer ones are split), and those bounded by tokens (budgets, capacities) at 2,048 too.
+REAL_STRATEGIES = cases(4096, first_only=True) + cases(
+    2048, lambda spec: spec.micro_batch_limits().batch_size is None, first_only=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +179,7 @@ def test_real_lengths_every_step_within_two_percent(
         assert d.max_step_imbalance <= 1.02, (name, d.max_step_imbalance)
         # Balancing never exceeds the strategy's limits.
         for u in np.unique(d.assignment):
-            lens = plan.seg_lengths[d.unit_segments(int(u))]
-            if strategy == "token_budget":
-                assert lens.size * lens.max() <= options["max_tokens"]
-            elif strategy == "packed":
-                assert lens.sum() <= options["capacity"] * options.get("rows_per_batch", 1)
-            else:
-                bs = options["batch_size"]
-                assert lens.size <= bs + max(1, bs // 8)
+            check_limits(plan, d.micro_batch_segments(int(u)), options)
 
 
 def test_extra_steps_only_where_needed(real_lengths) -> None:

@@ -172,7 +172,7 @@ def current(data: str, name: str, options: dict) -> dict[str, str]:
     for world_size, accum in ((2, 1), (4, 2)):
         d = distribute(p, world_size, accum_steps=accum, seed=0)
         out[f"{data}/{name}/distribute/{world_size}x{accum}"] = _hash(
-            d.segment_order, d.unit_start, d.unit_end, d.assignment
+            d.segment_order, d.micro_batch_start, d.micro_batch_end, d.assignment
         )
     batches = StreamingBatcher(lengths.tolist(), name, buffer_size=500, seed=3, **options)
     text = json.dumps([[repr(s) for s in batch] for batch in batches])

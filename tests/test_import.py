@@ -23,7 +23,13 @@ def test_public_surface() -> None:
 
     for name in ("plan_batches", "BatchPlan", "PlanStats", "PackedSpec", "TokenBudgetSpec", "STRATEGIES"):
         assert hasattr(sb, name), name
-    assert set(sb.STRATEGIES) == {"random", "max_length", "group_by_length", "token_budget", "packed"}
+    # The built-in strategies, each a registered name that makes its spec; the named defaults among them.
+    assert len(sb.STRATEGIES) >= 5 and sb.planners.strategy_names()[: len(sb.STRATEGIES)] == sb.STRATEGIES
+    assert all(sb.make_spec(name).name == name for name in sb.STRATEGIES)
+    planners = sb.planners
+    assert {planners.DEFAULT_STRATEGY, planners.BASELINE_STRATEGY, planners.FASTEST_STRATEGY} <= set(
+        sb.STRATEGIES
+    )
 
 
 def test_package_root_holds_at_most_ten_modules() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import smart_batching as sb
 from smart_batching.planners import packed
-from smart_batching.planners._kernels import fill_rows
+from smart_batching.planners._packing_kernels import fill_rows
 
 
 def _heavy_tailed(n: int, capacity: int, seed: int = 0) -> np.ndarray:

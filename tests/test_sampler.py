@@ -8,20 +8,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategy_cases import cases
 from torch.utils.data import DataLoader, Dataset
 
-from smart_batching import ConfigError, plan_batches
+from smart_batching import ConfigError, make_spec, plan_batches
 from smart_batching.collate import PaddingCollator
 from smart_batching.sampler import Segment, SegmentDataset, SmartBatchSampler
 
-STRATEGIES = {
-    "random": {"batch_size": 4},
-    "max_length": {"batch_size": 4},
-    "group_by_length": {"batch_size": 4},
-    "token_budget": {"max_tokens": 160},
-    "packed": {"capacity": 128},
-}
-SHUFFLED = ("random", "max_length", "group_by_length", "token_budget", "packed")
+# Every registered strategy with the first option set its spec gives for lengths below 100 tokens.
+STRATEGIES = {param.values[0]: param.values[1] for param in cases(100, first_only=True)}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +75,7 @@ def test_every_index_exactly_once_per_epoch(lengths, strategy):
             batches == plan_batches(lengths, strategy, seed=3, epoch=epoch, **STRATEGIES[strategy]).to_lists()
         )
         epochs.append(batches)
-    if strategy in SHUFFLED:
-        assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] != epochs[1] != epochs[2]  # every strategy draws each epoch afresh
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -328,10 +322,9 @@ def _find_cursor(state):
 )
 def test_property_cover_and_resume(lengths, strategy, seed, stop):
     options = dict(STRATEGIES[strategy])
-    if strategy == "packed":
-        options |= {"capacity": 128, "overlong": "split"}
-    elif strategy == "token_budget":
-        options |= {"max_length": 128, "overlong": "split"}
+    spec = make_spec(strategy, **options)
+    if spec.token_limit()[0] is not None and "overlong" in type(spec).__dataclass_fields__:
+        options["overlong"] = "split"  # lengths up to 300 go over the limit: in pieces
     make = lambda: SmartBatchSampler(lengths, strategy, seed=seed, **options)  # noqa: E731
     sampler = make()
     batches = list(sampler)

@@ -2,23 +2,21 @@
 
 1. No module outside ``planners/`` decides by a strategy's name or spec class (an AST scan).
 2. A toy strategy registered from this test file, with no other module touched, runs through the
-   sampler, the distributed sampler, streaming, the HF Trainer, ``analyze`` and the CLI's choices.
+   sampler, the distributed sampler, streaming, the HF Trainer, ``analyze`` and the CLI's choices
+   (``test_strategy_contracts.py`` puts it through every contract the built-in strategies meet).
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from toy_strategy import LongestFirstSpec, plan_longest_first
 
 from smart_batching import planners
-from smart_batching.planners import Knobs, PlannerSpec, register, unregister
-from smart_batching.planners._common import apply_overlong, fixed_offsets, padded_parts
-from smart_batching.planners._rounds import fixed_size_round
+from smart_batching.planners import register, unregister
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "smart_batching"
 BUILTIN = set(planners.STRATEGIES)
@@ -98,40 +96,7 @@ def test_the_scan_finds_a_decision(tmp_path):
     ]  # fmt: skip
 
 
-# -- a toy strategy, registered from here --------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class LongestFirstSpec(PlannerSpec):
-    """Fixed-size batches, longest examples first (a toy: deterministic, no shuffling).
-
-    Attributes:
-        batch_size: examples per batch.
-        max_length: most tokens per example; None means no limit.
-        overlong: what happens to longer ones.
-    """
-
-    name: ClassVar[str] = "toy_longest_first"
-    description: ClassVar[str] = "longest examples first, fixed batch size (a toy)"
-    batch_size: int = 4
-    max_length: int | None = None
-    overlong: str = "error"
-
-    @classmethod
-    def options_from(cls, knobs: Knobs) -> dict[str, Any]:
-        return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
-
-    def plan_round(self, lens, rng, room, tuning):
-        order = np.argsort(-lens, kind="stable")
-        return fixed_size_round(
-            lens, order, rng, room, batch_size=self.batch_size, drop_last=False, shuffle_batches=False
-        )
-
-
-def plan_longest_first(lengths: np.ndarray, spec: LongestFirstSpec, rng: np.random.Generator):
-    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
-    order = np.argsort(-segments.lengths, kind="stable")
-    return padded_parts(segments, order, fixed_offsets(order.shape[0], spec.batch_size, drop_last=False))
+# -- a toy strategy (toy_strategy.py), registered from here -------------------------------------------
 
 
 @pytest.fixture

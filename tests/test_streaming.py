@@ -17,34 +17,44 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategy_cases import cases
 from torch.utils.data import DataLoader
 
 from smart_batching import ConfigError, DataError, OverlongError, PackedSpec, plan_batches
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.distributed import World
+from smart_batching.planners import make_spec
 from smart_batching.sampler import Segment
 from smart_batching.streaming import StreamingBatchDataset, StreamingBatcher
 
 CAP = 64
-STRATEGIES = [
-    ("packed", {"capacity": CAP, "overlong": "split"}),
-    ("packed", {"capacity": CAP, "rows_per_batch": 3, "algorithm": "bfd", "overlong": "drop"}),
-    ("token_budget", {"max_tokens": 2 * CAP, "overlong": "truncate"}),
-    ("token_budget", {"max_tokens": 2 * CAP, "batch_size_multiple": 4, "max_batch_size": 16, "max_length": CAP, "overlong": "split"}),
-    ("group_by_length", {"batch_size": 4}),
-    ("group_by_length", {"batch_size": 4, "mode": "sorted", "drop_last": True, "max_length": CAP, "overlong": "drop"}),
-    ("random", {"batch_size": 3}),
-    ("max_length", {"batch_size": 3, "max_length": CAP, "overlong": "truncate"}),
-]  # fmt: skip
-IDS = [f"{name}-{i}" for i, (name, _) in enumerate(STRATEGIES)]
+POLICIES = ("split", "drop", "truncate")
+
+
+def _stream_cases() -> list:
+    """Every registered strategy's example option sets that can stream, for lengths up to about 2 x CAP:
+    where they set a token limit, with an overlong policy (each policy in turn)."""
+    out = []
+    for i, param in enumerate(cases(CAP)):
+        name, options = param.values
+        spec = make_spec(name, **options)
+        try:
+            spec.check_streamable()
+        except ConfigError:
+            continue
+        if not spec.can_stream():
+            continue
+        if spec.token_limit()[0] is not None:
+            options = {**options, "overlong": POLICIES[i % len(POLICIES)]}
+        out.append(pytest.param(name, options, id=param.id))
+    return out
+
+
+STRATEGIES = _stream_cases()
 
 
 def _limit(name: str, options: dict) -> int | None:
-    if name == "packed":
-        return options["capacity"]
-    if name == "token_budget":
-        return options.get("max_length", options["max_tokens"])
-    return options.get("max_length")
+    return make_spec(name, **options).token_limit()[0]
 
 
 def _source(lengths: list[int], kind: str, seed: int = 0) -> Any:
@@ -128,17 +138,19 @@ def _check_contract(
         assert tail_dropped < options["batch_size"]
     seg_len = [[lengths[e] if n is None else n for e, _, n in batch] for batch in norm]
     assert all(seg_len), "no empty batches"
-    if name == "packed":
-        assert all(sum(x) <= limit * options.get("rows_per_batch", 1) for x in seg_len)
-    elif name == "token_budget":
+    # The strategy's own limits, and those the options name, whatever the strategy.
+    limits = b.spec.micro_batch_limits()
+    assert all(limits.fits(np.asarray(x), planned=True) for x in seg_len)
+    if "capacity" in options:
+        assert all(sum(x) <= options["capacity"] * options.get("rows_per_batch", 1) for x in seg_len)
+    if "max_tokens" in options:
         assert all(len(x) * max(x) <= options["max_tokens"] for x in seg_len)
-        if "max_batch_size" in options:
-            assert all(len(x) <= options["max_batch_size"] for x in seg_len)
-    else:
-        bs = options["batch_size"]
-        assert all(len(x) <= bs for x in seg_len)
-        if full_batches:
-            assert sum(len(x) < bs for x in seg_len) <= 1  # only the stream's last batch may be short
+    for key in ("max_batch_size", "batch_size"):
+        if key in options:
+            assert all(len(x) <= options[key] for x in seg_len)
+    bs = options.get("batch_size")
+    if bs is not None and full_batches:
+        assert sum(len(x) < bs for x in seg_len) <= 1  # only the stream's last batch may be short
     if policy != "split" and b.buffer_size is not None:
         assert stats.max_buffered <= b.buffer_size
     if b.buffer_tokens is not None and (limit is None or limit <= b.buffer_tokens):
@@ -150,7 +162,7 @@ def _check_contract(
 # --- Contract: exactly once, limits, bounds ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "options"), STRATEGIES, ids=IDS)
+@pytest.mark.parametrize(("name", "options"), STRATEGIES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.one_of(
@@ -164,11 +176,12 @@ def _check_contract(
     seed=st.integers(0, 3),
 )
 def test_exactly_once_and_limits(name, options, lengths, buffer_size, kind, seed) -> None:
+    buffer_size = max(buffer_size, options.get("batch_size", 1))  # a buffer holds at least one batch
     b = StreamingBatcher(_source(lengths, kind, seed), name, buffer_size=buffer_size, seed=seed, **options)
     _check_contract(lengths, list(b), b, name, options)
 
 
-@pytest.mark.parametrize(("name", "options"), STRATEGIES, ids=IDS)
+@pytest.mark.parametrize(("name", "options"), STRATEGIES)
 def test_token_bound(name, options) -> None:
     lengths = np.random.default_rng(1).integers(1, CAP, 400).tolist()
     b = StreamingBatcher(lengths, name, buffer_size=None, buffer_tokens=600, **options)
@@ -216,7 +229,7 @@ def test_group_by_length_pads_less_than_random() -> None:
 # --- Determinism and epochs -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "options"), STRATEGIES, ids=IDS)
+@pytest.mark.parametrize(("name", "options"), STRATEGIES)
 def test_deterministic_in_seed_and_epoch(name, options) -> None:
     lengths = np.random.default_rng(2).integers(1, 2 * CAP, 300).tolist()
 
@@ -284,7 +297,7 @@ def _resume_everywhere(make, roundtrip=lambda s: json.loads(json.dumps(s))) -> N
         assert r.stats.to_dict() == final
 
 
-@pytest.mark.parametrize(("name", "options"), STRATEGIES, ids=IDS)
+@pytest.mark.parametrize(("name", "options"), STRATEGIES)
 @pytest.mark.parametrize("kind", ["ints", "dicts", "opener"])
 def test_resume_at_every_step(name, options, kind) -> None:
     lengths = np.random.default_rng(3).integers(1, 2 * CAP, 150).tolist()

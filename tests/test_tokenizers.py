@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from smart_batching import tokenizers as tk  # noqa: E402
+from smart_batching.data import tokenizers as tk  # noqa: E402
 from smart_batching.data.tokenizers import (  # noqa: E402
     DEFAULT_TOKENIZER,
     default_cache_dir,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.errors import ConfigError, DataError
@@ -13,12 +14,8 @@ from smart_batching.plan import Segment
 from smart_batching.sampler import SmartBatchSampler
 from smart_batching.units import EmptyExamplesWarning, plan_units
 
-STRATEGIES = [
-    ("random", {"batch_size": 3}),
-    ("group_by_length", {"batch_size": 3}),
-    ("token_budget", {"max_tokens": 24}),
-    ("packed", {"capacity": 16}),
-]
+# Every registered strategy, with the first option set its spec gives for units of at most 12 tokens.
+STRATEGIES = cases(12, first_only=True)
 
 
 # -- plan_units ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strategy_cases import cases
 
 import smart_batching as sb
 from smart_batching.analysis import batch_randomness
@@ -15,10 +16,11 @@ from smart_batching.errors import ConfigError
 from smart_batching.planners import parse_strategy, split_strategies
 from smart_batching.streaming import StreamingBatcher
 
+# Every registered strategy with a window= option, with the first option set its spec gives for
+# examples of up to 2,048 tokens (these lengths hold at most 1,000).
 KNOBS = {
-    "group_by_length": dict(batch_size=8, mode="sorted"),
-    "token_budget": dict(max_tokens=2048),
-    "packed": dict(capacity=2048),
+    p.values[0]: p.values[1]
+    for p in cases(2048, lambda spec: "window" in type(spec).__dataclass_fields__, first_only=True)
 }
 
 

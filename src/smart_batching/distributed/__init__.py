@@ -3,9 +3,10 @@
 ====================  ================================================================================
 module                job
 ====================  ================================================================================
-``plan``              :func:`distribute`: deal a plan's micro-batches to ranks, every step even
-                      (phases: cost, deal, tail, balance, reform, shuffle; see its docstring);
-                      :class:`World`, the topology, read from ``torch.distributed`` in one place
+``distribute``        :func:`distribute`: deal a plan's batches to ranks as micro-batches, every step
+                      even (phases: cost, deal, tail, balance, reform, shuffle, costliest first; see
+                      its docstring), into a :class:`DistributedPlan`
+``world``             :class:`World`, the topology, read from ``torch.distributed`` in one place
 ``_balance``          evening out one step within the strategy's limits (repartition, moves, swaps)
 ``_reform``           re-forming the steps balancing leaves uneven, with their neighbours
 ``sampler``           :class:`~smart_batching.distributed.sampler.DistributedSmartBatchSampler` (torch)
@@ -13,10 +14,16 @@ module                job
 ``launch``            starting a module on several processes with torchrun
 ====================  ================================================================================
 
-``import smart_batching.distributed`` loads NumPy only; the torch modules load when imported. The old
-paths (``smart_batching.distributed_sampler``, ``smart_batching.even_steps``) still work.
+``import smart_batching.distributed`` loads NumPy only; the torch modules load when imported.
 """
 
-from smart_batching.distributed.plan import COSTS, DistributedPlan, World, distribute, shutdown, unit_costs
+from smart_batching.distributed.distribute import (
+    COSTS,
+    DistributedPlan,
+    distribute,
+    micro_batch_costs,
+    unit_costs,  # noqa: F401 (the former name of micro_batch_costs)
+)
+from smart_batching.distributed.world import World, shutdown
 
-__all__ = ["COSTS", "DistributedPlan", "World", "distribute", "shutdown", "unit_costs"]
+__all__ = ["COSTS", "DistributedPlan", "World", "distribute", "micro_batch_costs", "shutdown"]

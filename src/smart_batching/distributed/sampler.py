@@ -11,7 +11,7 @@ step, the same number on every rank::
 Do not let accelerate re-shard these batches (``prepare_data_loader`` would deal them round-robin
 again): build the DataLoader per rank and leave it unprepared, or pass ``dispatch_batches=False`` and
 ``split_batches=False``. ``split_batches=True`` is unsupported: it would cut our micro-batches, which
-are already the per-rank unit, into pieces.
+are already what one rank runs at once, into pieces.
 
 An empty slot (only when the tail could not be split: fewer examples than ranks) yields an empty
 list; the training loop should run a zero-loss step so collectives stay in lock-step.
@@ -24,6 +24,7 @@ and balanced again for the new world.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -98,10 +99,10 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             self._dist_key = key
         return self._dist
 
-    def _unit_keys(self, d: DistributedPlan, unit: int) -> list[Any]:
-        if unit < 0:
+    def _micro_batch_keys(self, d: DistributedPlan, m: int) -> list[Any]:
+        if m < 0:
             return []
-        return self.keys_of(d.base, d.unit_segments(unit))
+        return self.keys_of(d.base, d.micro_batch_segments(m))
 
     # -- torch sampler protocol -----------------------------------------------------------------
 
@@ -114,9 +115,9 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
 
     def _iterate_rank(self, start: int, generation: int) -> Iterator[list[Any]]:
         d = self.distributed_plan()
-        units = d.rank_units(self.world.rank)
-        for b in range(start, units.shape[0]):
-            keys = self._unit_keys(d, int(units[b]))
+        micro_batches = d.rank_micro_batches(self.world.rank)
+        for b in range(start, micro_batches.shape[0]):
+            keys = self._micro_batch_keys(d, int(micro_batches[b]))
             if generation == self._generation:
                 self._batches_yielded = b + 1
             yield keys
@@ -184,8 +185,8 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             seed=self.seed,
             max_extra_steps=self.max_extra_steps,
         )
-        consumed_units = old.assignment[:done_steps].reshape(-1)
-        consumed = [old.unit_examples(int(u)) for u in consumed_units if u >= 0]
+        consumed_micro_batches = old.assignment[:done_steps].reshape(-1)
+        consumed = [old.micro_batch_examples(int(m)) for m in consumed_micro_batches if m >= 0]
         used = np.zeros(self.num_examples, dtype=bool)
         if consumed:
             used[np.concatenate(consumed)] = True
@@ -206,22 +207,11 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
 def _subset_plan(lengths: np.ndarray, subset: np.ndarray, spec: Any, seed: int, epoch: int) -> BatchPlan:
     """A plan over ``subset`` of the examples, with example ids mapped back to the full dataset."""
     sub = plan_batches(lengths[subset], spec, seed=seed, epoch=epoch)
-    return BatchPlan(
-        example_ids=subset[sub.example_ids],
-        seg_starts=sub.seg_starts,
-        seg_lengths=sub.seg_lengths,
-        row_offsets=sub.row_offsets,
-        batch_offsets=sub.batch_offsets,
-        batch_width=sub.batch_width,
-        strategy=sub.strategy,
-        spec=sub.spec,
-        seed=sub.seed,
-        epoch=sub.epoch,
+    return dataclasses.replace(
+        sub,
+        segments=sub.segments._replace(example=subset[sub.example_ids]),
         num_examples=int(lengths.shape[0]),
-        overlong=sub.overlong,
         lengths=lengths,
-        capacity=sub.capacity,
-        lower_bound_rows=sub.lower_bound_rows,
     )
 
 

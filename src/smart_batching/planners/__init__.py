@@ -1,9 +1,12 @@
 """Batch planners: one module per strategy (its spec and its planner), registered by name.
 
-A planner maps ``(lengths, spec, rng)`` to the batches of one epoch; :func:`plan_batches` seeds the rng
-from ``(seed, epoch)`` and wraps the result in a :class:`~smart_batching.plan.BatchPlan`. Everything
-else the library needs to know of a strategy it asks the spec (:mod:`smart_batching.planners._spec`):
-no module outside ``planners/`` decides by a strategy's name.
+A planner maps ``(lengths, spec, rng)`` to the batches of one epoch, as the plan's one value
+(:class:`~smart_batching.plan.Segments` and :class:`~smart_batching.plan.Batches`, its shuffle of whole
+batches left pending); :func:`plan_batches` seeds the rng from ``(seed, epoch)``, puts the costliest
+batch first where the spec asks for it, lays the plan out once and wraps it in a
+:class:`~smart_batching.plan.BatchPlan`. Everything else the library needs to know of a strategy it
+asks the spec (:mod:`._spec`: what every strategy has; :mod:`._abilities`: what it may add): no module
+outside ``planners/`` decides by a strategy's name.
 
 =================  ==========================================================================
 name               what it does
@@ -25,10 +28,18 @@ from typing import Any
 import numpy as np
 
 from smart_batching.errors import ConfigError
-from smart_batching.plan import BatchPlan, as_lengths
-from smart_batching.planners._common import PlanParts, lead_with_costliest
-from smart_batching.planners._rounds import Cut, Room, Tuning
-from smart_batching.planners._spec import OVERLONG_POLICIES, Knobs, PlannerSpec, UnitLimits
+from smart_batching.plan import BatchPlan, as_lengths, lead_with_costliest
+from smart_batching.planners._common import PlanParts, lay_out
+from smart_batching.planners._spec import (
+    OVERLONG_POLICIES,
+    Cut,
+    Knobs,
+    MicroBatchLimits,
+    PlannerSpec,
+    Room,
+    Tuning,
+    UnitLimits,
+)
 from smart_batching.planners.group_by_length import GroupByLengthSpec, plan_group_by_length
 from smart_batching.planners.max_length import MaxLengthSpec, plan_max_length
 from smart_batching.planners.packed import PackedSpec, plan_packed
@@ -211,25 +222,19 @@ def plan_batches(
             raise ConfigError(f"{name}= must be a non-negative integer, got {value!r}")
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
     parts = REGISTRY[spec.name][1](lengths, spec, rng)
-    if spec.leads_with_costliest():
-        parts = lead_with_costliest(spec, parts)  # the batch that fills memory most goes first
-    segs = parts.segments
-    order = parts.order
-    whole = segs.example_ids.shape[0] == lengths.shape[0] and segs.overlong.num_over_limit == 0
+    batches = parts.batches
+    if spec.leads_with_costliest():  # the batch that fills memory most goes first
+        batches = lead_with_costliest(spec, batches, parts.segments.length)
+    segments, batches = lay_out(parts.segments, batches, protect=lengths)
     return BatchPlan(
-        # Without an overlong policy at work segments are examples: skip two 10M-element gathers.
-        example_ids=order if whole else segs.example_ids[order],
-        seg_starts=np.zeros(order.shape[0], dtype=np.int64) if whole else segs.starts[order],
-        seg_lengths=segs.lengths[order] if parts.ordered_lengths is None else parts.ordered_lengths,
-        row_offsets=parts.row_offsets,
-        batch_offsets=parts.batch_offsets,
-        batch_width=parts.batch_width,
+        segments=segments,
+        batches=batches,
         strategy=spec.name,
         spec=spec,
         seed=int(seed),
         epoch=int(epoch),
         num_examples=int(lengths.shape[0]),
-        overlong=segs.overlong,
+        overlong=parts.overlong,
         lengths=lengths,
         capacity=parts.capacity,
         lower_bound_rows=parts.lower_bound_rows,
@@ -245,6 +250,8 @@ __all__ = [
     "STRATEGIES",
     "Cut",
     "Knobs",
+    "MicroBatchLimits",
+    "PlanParts",
     "Room",
     "Tuning",
     "UnitLimits",

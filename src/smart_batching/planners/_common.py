@@ -1,6 +1,11 @@
-"""Building blocks shared by the planners: overlong policies, randomised length sorts, padded batches.
+"""Building blocks shared by the planners: overlong policies, randomised length sorts, padded batches,
+and laying a plan out once.
 
-All functions are vectorised over int64 arrays; none loops in Python per example.
+A planner returns :class:`PlanParts`: a :class:`~smart_batching.plan.Segments` table in the order it
+planned (sorted, packed) and the :class:`~smart_batching.plan.Batches` over it, its shuffle of whole
+batches left in ``batch_order``; :func:`lay_out` applies that order (and the costliest batch moved to
+the front) in one compiled pass. All functions are vectorised over int64 arrays; none loops in Python
+per example.
 """
 
 from __future__ import annotations
@@ -10,38 +15,41 @@ from typing import NamedTuple
 import numpy as np
 
 from smart_batching.errors import ConfigError, OverlongError
-from smart_batching.plan import OverlongCounts
+from smart_batching.plan import Batches, OverlongCounts, Segments, block_positions, offsets_of, zeros
 from smart_batching.planners._kernels import (
+    block_sources,
+    copy_blocks,
     counting_sort_shuffled,
     shuffled_permutation,
     sort_blocks_descending,
 )
-from smart_batching.planners._spec import OVERLONG_POLICIES, BatchShapes, PlannerSpec  # noqa: F401 (re-exported)
+from smart_batching.planners._spec import OVERLONG_POLICIES
 
-
-class Segments(NamedTuple):
-    """The units a planner arranges: whole examples, or pieces of them after the overlong policy."""
-
-    example_ids: np.ndarray  # (num_segments,) int64
-    starts: np.ndarray  # (num_segments,) int64
-    lengths: np.ndarray  # (num_segments,) int64
-    overlong: OverlongCounts
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class PlanParts(NamedTuple):
-    """What a planner returns: an order over segments and the batch/row structure on that order."""
+    """What a planner returns (:func:`~smart_batching.planners.plan_batches` lays it out).
+
+    Attributes:
+        segments: the segments, in the order the batches cut them (``batches.order`` None) or in any
+            order ``batches.order`` indexes.
+        batches: the batches over them; ``batch_order`` may hold a shuffle of whole batches not yet applied.
+        overlong: what the overlong policy (and ``drop_last``) left out or cut.
+        capacity: tokens per packed row, for the plan's statistics (None: rows are padded).
+        lower_bound_rows: fewest rows of ``capacity`` that could hold the data (packing).
+    """
 
     segments: Segments
-    order: np.ndarray  # (num_segments,) positions into `segments`, in plan order
-    row_offsets: np.ndarray  # (num_rows + 1,)
-    batch_offsets: np.ndarray  # (num_batches + 1,)
-    batch_width: np.ndarray  # (num_batches,)
+    batches: Batches
+    overlong: OverlongCounts
     capacity: int | None = None
     lower_bound_rows: int | None = None
-    ordered_lengths: np.ndarray | None = None  # segments.lengths[order], when the planner has it already
 
 
-def apply_overlong(lengths: np.ndarray, limit: int | None, policy: str, setting: str) -> Segments:
+def apply_overlong(
+    lengths: np.ndarray, limit: int | None, policy: str, setting: str
+) -> tuple[Segments, OverlongCounts]:
     """Apply an overlong policy to examples longer than ``limit`` tokens.
 
     Args:
@@ -50,15 +58,18 @@ def apply_overlong(lengths: np.ndarray, limit: int | None, policy: str, setting:
         policy: ``"error"`` (raise), ``"truncate"`` (keep the first ``limit`` tokens), ``"split"`` (cut
             into pieces of ``limit`` tokens, the last one shorter) or ``"drop"`` (leave the example out).
         setting: the name of the limit's setting, quoted in the error message.
+
+    Returns:
+        ``(segments, counts)``: the table of segments in example order, and what the policy did.
     """
     n = lengths.shape[0]
     ids = np.arange(n, dtype=np.int64)
     if limit is None:
-        return Segments(ids, np.zeros(n, dtype=np.int64), lengths, OverlongCounts(None, policy))
+        return Segments(ids, np.zeros(n, dtype=np.int64), lengths), OverlongCounts(None, policy)
     over = lengths > limit
     num_over = int(np.count_nonzero(over))
     if num_over == 0:
-        return Segments(ids, np.zeros(n, dtype=np.int64), lengths, OverlongCounts(limit, policy))
+        return Segments(ids, np.zeros(n, dtype=np.int64), lengths), OverlongCounts(limit, policy)
     if policy == "error":
         first = int(np.flatnonzero(over)[0])
         raise OverlongError(
@@ -69,13 +80,13 @@ def apply_overlong(lengths: np.ndarray, limit: int | None, policy: str, setting:
     if policy == "truncate":
         seg_len = np.minimum(lengths, limit)
         counts = OverlongCounts(limit, policy, num_over, num_over, excess)
-        return Segments(ids, np.zeros(n, dtype=np.int64), seg_len, counts)
+        return Segments(ids, np.zeros(n, dtype=np.int64), seg_len), counts
     if policy == "drop":
         keep = ~over
         counts = OverlongCounts(
             limit, policy, num_over, num_dropped=num_over, dropped_tokens=int(lengths[over].sum())
         )
-        return Segments(ids[keep], np.zeros(n - num_over, dtype=np.int64), lengths[keep], counts)
+        return Segments(ids[keep], np.zeros(n - num_over, dtype=np.int64), lengths[keep]), counts
     if policy == "split":
         pieces = np.maximum(
             1, -(-lengths // limit)
@@ -86,7 +97,7 @@ def apply_overlong(lengths: np.ndarray, limit: int | None, policy: str, setting:
         starts = piece_no * limit
         seg_len = np.minimum(lengths[seg_ids] - starts, limit)
         counts = OverlongCounts(limit, policy, num_over, num_split=num_over)
-        return Segments(seg_ids, starts, seg_len, counts)
+        return Segments(seg_ids, starts, seg_len), counts
     raise ConfigError(f"overlong= must be one of {', '.join(OVERLONG_POLICIES)}; got {policy!r}")
 
 
@@ -104,7 +115,8 @@ def _seed(rng: np.random.Generator) -> int:
 
 
 def permutation(n: int, rng: np.random.Generator) -> np.ndarray:
-    """A random permutation of ``0..n-1`` drawn from ``rng`` (compiled; 2.5x numpy's at 10M)."""
+    """A random permutation of ``0..n-1`` drawn from ``rng`` (compiled: cache-friendly buckets, see
+    :func:`~._kernels.shuffled_permutation`)."""
     return shuffled_permutation(n, _seed(rng))
 
 
@@ -114,23 +126,26 @@ _COUNTING_MAX_KEY = 1 << 22
 
 def sort_by_length(
     lengths: np.ndarray, rng: np.random.Generator | None, *, descending: bool = False
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Order of positions sorted by length, ties broken at random (or by position when rng is None).
 
     Returns:
-        (n,) int64 positions. Counting sort: O(n + longest).
+        ``(order, sorted_lengths)``: (n,) int64 positions and ``lengths[order]``. Counting sort:
+        O(n + longest), the sorted lengths written run by run rather than gathered.
     """
     n = lengths.shape[0]
     if n == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     top = int(lengths.max())
-    keys = (top - lengths) if descending else lengths
     if top <= _COUNTING_MAX_KEY:
-        return counting_sort_shuffled(keys, top, -1 if rng is None else _seed(rng))
+        return counting_sort_shuffled(lengths, top, -1 if rng is None else _seed(rng), descending)
+    keys = (top - lengths) if descending else lengths
     if rng is None:
-        return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
-    perm = permutation(n, rng)  # (n,) random tie-break
-    return perm[np.argsort(keys[perm], kind="stable")]
+        order = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    else:
+        perm = permutation(n, rng)  # (n,) random tie-break
+        order = perm[np.argsort(keys[perm], kind="stable")]
+    return order, lengths[order]
 
 
 def sort_blocks(values: np.ndarray, block: int, *, descending: bool) -> np.ndarray:
@@ -162,7 +177,7 @@ def sort_blocks(values: np.ndarray, block: int, *, descending: bool) -> np.ndarr
 
 def sort_within_windows(
     lengths: np.ndarray, rng: np.random.Generator, window: int | None, *, descending: bool = False
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Shuffle, cut into windows of ``window`` positions, and sort each window by length (ties at
     random): the randomness knob of the length-aware strategies (``window=``)::
 
@@ -176,13 +191,14 @@ def sort_within_windows(
             exactly as :func:`sort_by_length`.
 
     Returns:
-        (n,) int64 positions. O(n) passes plus a counting sort per window.
+        ``(order, sorted_lengths)`` as :func:`sort_by_length`. O(n) passes plus a counting sort per window.
     """
     n = lengths.shape[0]
     if window is None or window >= n:
         return sort_by_length(lengths, rng, descending=descending)
     perm = permutation(n, rng)  # (n,)
-    return perm[sort_blocks(lengths[perm], window, descending=descending)]
+    order = perm[sort_blocks(lengths[perm], window, descending=descending)]
+    return order, lengths[order]
 
 
 def window_bounds(n: int, window: int | None) -> int:
@@ -199,164 +215,144 @@ def fixed_offsets(n: int, size: int, *, drop_last: bool) -> np.ndarray:
     return offsets
 
 
+def in_order(
+    segments: Segments, counts: OverlongCounts, order: np.ndarray, lengths: np.ndarray | None = None
+) -> Segments:
+    """The table of :func:`apply_overlong` taken at ``order``; ``lengths``: ``segments.length[order]``
+    when the caller has it. Where the policy cut nothing the segments are the examples, and their ids
+    are ``order`` itself: no gather."""
+    length = segments.length[order] if lengths is None else lengths
+    if counts.num_over_limit == 0 or counts.policy == "truncate":  # ids 0..n-1, every start 0
+        return Segments(order, zeros(order.shape[0]), length)
+    return Segments(segments.example[order], segments.start[order], length)
+
+
 def padded_parts(
     segments: Segments,
+    counts: OverlongCounts,
     order: np.ndarray,
     batch_offsets: np.ndarray,
     *,
     fixed_width: int | None = None,
     ordered: np.ndarray | None = None,
+    batch_order: np.ndarray | None = None,
 ) -> PlanParts:
     """PlanParts for strategies with one segment per row, padded to the longest (or a fixed width).
 
-    ``batch_offsets`` index into ``order``; positions after its last offset are left out of the plan.
+    Args:
+        order: positions of ``segments`` in the order the batches cut them; positions after the last
+            of ``batch_offsets`` are left out of the plan.
+        ordered: ``segments.length[order]``, when the caller has it (saves a gather).
+        batch_order: the strategy's shuffle of whole batches, left for :func:`lay_out` to apply.
     """
     used = int(batch_offsets[-1])
     order = order[:used]
-    # (used,) lengths in plan order, reused by plan_batches: one gather, not two (none if given)
-    ordered = segments.lengths[order] if ordered is None else ordered[:used]
+    table = in_order(segments, counts, order, None if ordered is None else ordered[:used])
     num_batches = len(batch_offsets) - 1
     if fixed_width is not None:
         width = np.full(num_batches, fixed_width, dtype=np.int64)
     elif num_batches:
-        width = np.maximum.reduceat(ordered, batch_offsets[:-1]).astype(np.int64)
+        width = np.maximum.reduceat(table.length, batch_offsets[:-1]).astype(np.int64)
     else:
         width = np.zeros(0, dtype=np.int64)
-    row_offsets = np.arange(used + 1, dtype=np.int64)
-    return PlanParts(segments, order, row_offsets, batch_offsets, width, ordered_lengths=ordered)
+    return PlanParts(table, Batches(batch_offsets, width, batch_order=batch_order), counts)
 
 
-def drop_tail(segments: Segments, order: np.ndarray, batch_offsets: np.ndarray) -> Segments:
-    """Count the segments a ``drop_last`` left out as dropped examples."""
+def drop_tail(
+    segments: Segments, counts: OverlongCounts, order: np.ndarray, batch_offsets: np.ndarray
+) -> OverlongCounts:
+    """``counts`` with the segments a ``drop_last`` left out counted as dropped examples."""
     left = order[int(batch_offsets[-1]) :]
     if left.size == 0:
-        return segments
-    c = segments.overlong
-    counts = OverlongCounts(
+        return counts
+    c = counts
+    return OverlongCounts(
         c.limit,
         c.policy,
         c.num_over_limit,
         c.num_truncated,
         c.truncated_tokens,
         c.num_split,
-        c.num_dropped + int(np.unique(segments.example_ids[left]).size),
-        c.dropped_tokens + int(segments.lengths[left].sum()),
+        c.num_dropped + int(np.unique(segments.example[left]).size),
+        c.dropped_tokens + int(segments.length[left].sum()),
     )
-    return segments._replace(overlong=counts)
 
 
 def permute_batches(
     order: np.ndarray, offsets: np.ndarray, perm: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder whole batches (chunks ``offsets`` of ``order``) by ``perm``, vectorised.
+    """Reorder whole batches (chunks ``offsets`` of ``order``) by ``perm``, vectorised (a stream's
+    buffer; whole datasets leave the order to :func:`lay_out`).
 
     Returns:
         ``(order, offsets)`` with batch ``k`` of the result being batch ``perm[k]`` of the input.
     """
-    sizes = np.diff(offsets)[perm]  # (num_batches,)
-    new_offsets = np.zeros(len(perm) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=new_offsets[1:])
-    # position j of new batch k reads old position offsets[perm[k]] + (j - new_offsets[k])
-    shift = np.repeat(offsets[:-1][perm] - new_offsets[:-1], sizes)
-    src = np.arange(int(new_offsets[-1]), dtype=np.int64) + shift
-    return order[src], new_offsets
+    return order[block_positions(offsets, perm)], offsets_of(np.diff(offsets)[perm])
 
 
-# --- The costliest batch first (PlannerSpec.leads_with_costliest) ----------------------------------
+def lay_out(
+    segments: Segments, batches: Batches, *, protect: np.ndarray | None = None
+) -> tuple[Segments, Batches]:
+    """The plan laid out: the table in plan order and the batches over it (no ``order``, no ``batch_order``).
 
-
-def costliest_batch(key: np.ndarray, tie_break: np.ndarray) -> int:
-    """Index of the batch with the largest ``key``, ties to the largest ``tie_break``, then to the first
-    (a plan whose batch 0 already ties for the top stays as it is); -1 without batches. O(num_batches)."""
-    if key.size == 0:
-        return -1
-    tied = np.flatnonzero(key == key.max())  # (num_tied,)
-    return int(tied[np.argmax(tie_break[tied])])
-
-
-def costliest_in_plan(
-    spec: PlannerSpec,
-    ordered_lengths: np.ndarray,
-    row_offsets: np.ndarray,
-    batch_offsets: np.ndarray,
-    batch_width: np.ndarray,
-) -> int:
-    """The batch :meth:`PlannerSpec.costliest_keys` ranks first, in a plan laid out as ``batch b = rows
-    [batch_offsets[b], batch_offsets[b+1])``, ``row r = segments [row_offsets[r], row_offsets[r+1])``
-    over ``ordered_lengths`` (segment lengths in plan order)."""
-    bounds = row_offsets[batch_offsets]  # (num_batches + 1,) into the segments
-    shapes = BatchShapes(np.diff(batch_offsets), batch_width, ordered_lengths, bounds[:-1], bounds[1:])
-    key, tie_break = spec.costliest_keys(shapes)
-    return costliest_batch(np.asarray(key), np.asarray(tie_break))
-
-
-def _blocks_swapped(a: np.ndarray, i: int, j: int, k: int) -> np.ndarray:
-    """``a[j:k], a[i:j], a[:i], a[k:]``: the block ``[j, k)`` and the block ``[0, i)`` swapped."""
-    return np.concatenate([a[j:k], a[i:j], a[:i], a[k:]])
-
-
-def _exchanged(a: np.ndarray, size: int, j: int) -> np.ndarray:
-    """A copy of ``a`` with the blocks ``[0, size)`` and ``[j, j + size)`` exchanged."""
-    out = a.copy()
-    out[:size], out[j : j + size] = a[j : j + size], a[:size]
-    return out
-
-
-def _offsets_of(sizes: np.ndarray) -> np.ndarray:
-    out = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
-    np.cumsum(sizes, out=out[1:])
-    return out
-
-
-def swap_to_front(
-    k: int,
-    segment_arrays: tuple[np.ndarray, ...],
-    row_offsets: np.ndarray,
-    batch_offsets: np.ndarray,
-    batch_width: np.ndarray,
-) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
-    """Swap batch ``k`` with batch 0 (not a sort: every other batch keeps its place)::
-
-        batches   B0 B1 B2 B3 B4      k = 3      ->   B3 B1 B2 B0 B4
-
-    Args:
-        segment_arrays: arrays over segments in plan order (the order, its lengths), swapped alike.
-
-    Returns:
-        ``(segment_arrays, row_offsets, batch_offsets, batch_width)`` of the new plan. Vectorised
-        copies, no Python work per batch or example.
+    A ``batch_order`` that only exchanges two batches of one shape (the costliest batch moved to the
+    front of a plan with no shuffle left to apply) is done in place, O(batch), unless a column shares
+    memory with ``protect`` (the caller's lengths); any other is one compiled pass over the segments.
     """
-    if k <= 0:
-        return segment_arrays, row_offsets, batch_offsets, batch_width
-    r1, rk, rk1 = (int(x) for x in batch_offsets[[1, k, k + 1]])
-    s1, sk, sk1 = (int(x) for x in row_offsets[[r1, rk, rk1]])
-    width = _blocks_swapped(batch_width, 1, k, k + 1)
-    if sk1 - sk == s1 and np.array_equal(np.diff(row_offsets[: r1 + 1]), np.diff(row_offsets[rk : rk1 + 1])):
-        # Batches of one shape (fixed batch sizes): exchange the two blocks, all offsets stay.
-        arrays = tuple(_exchanged(a, s1, sk) for a in segment_arrays)
-        return arrays, row_offsets, batch_offsets, width
-    arrays = tuple(_blocks_swapped(a, s1, sk, sk1) for a in segment_arrays)
-    # Row offsets of each moved block, shifted to where the block now starts (one pass, no cumsum).
-    ro = row_offsets
-    rows = np.concatenate([ro[rk:rk1] - sk, ro[r1:rk] + (sk1 - sk - s1), ro[:r1] + (sk1 - s1), ro[rk1:]])
-    batches = _offsets_of(_blocks_swapped(np.diff(batch_offsets), 1, k, k + 1))
-    return arrays, rows, batches, width
+    bo, order = batches.batch_order, batches.order
+    if bo is None:
+        if order is None:
+            return segments, batches
+        return segments.take(order), batches._replace(order=None)
+    if order is None and _swap_in_place(segments, batches, protect):
+        width = batches.width.copy()
+        width[bo[0]], width[0] = width[0], width[bo[0]]
+        return segments, batches._replace(width=width, batch_order=None)
+    if order is not None:  # a planner that cut positions of its table: take them first
+        segments = segments.take(order)
+    src, size = block_sources(bo, batches.bounds)
+    start = segments.start
+    # Every start 0 (a broadcast zero, see in_order): nothing to copy.
+    start = zeros(int(size.sum())) if start.strides == (0,) else copy_blocks(src, size, start)
+    whole = segments.example_length
+    table = Segments(
+        copy_blocks(src, size, segments.example),
+        start,
+        copy_blocks(src, size, segments.length),
+        None if whole is None else copy_blocks(src, size, whole),
+    )
+    rows = None
+    if batches.row_offsets is not None:
+        rows = offsets_of(np.diff(batches.row_offsets)[block_positions(batches.batch_offsets, bo)])
+    laid = Batches(offsets_of(np.diff(batches.batch_offsets)[bo]), batches.width[bo], rows)
+    return table, laid
 
 
-def lead_with_costliest(spec: PlannerSpec, parts: PlanParts) -> PlanParts:
-    """``parts`` with its costliest batch swapped to the front (see
-    :meth:`PlannerSpec.leads_with_costliest`); the segments stay the same, only the order of batches
-    changes. O(num_segments) in vectorised passes (a sum, a maximum, a copy)."""
-    ordered = parts.segments.lengths[parts.order] if parts.ordered_lengths is None else parts.ordered_lengths
-    parts = parts._replace(ordered_lengths=ordered)
-    if parts.batch_offsets.shape[0] <= 2:
-        return parts
-    k = costliest_in_plan(spec, ordered, parts.row_offsets, parts.batch_offsets, parts.batch_width)
-    if k <= 0:
-        return parts
-    (order, ordered), rows, batches, width = swap_to_front(
-        k, (parts.order, ordered), parts.row_offsets, parts.batch_offsets, parts.batch_width
-    )
-    return parts._replace(
-        order=order, row_offsets=rows, batch_offsets=batches, batch_width=width, ordered_lengths=ordered
-    )
+def _swap_in_place(segments: Segments, batches: Batches, protect: np.ndarray | None) -> bool:
+    """Exchange stored batches 0 and ``k`` of the table in place when ``batch_order`` is exactly that
+    swap and both batches have the same rows; returns whether it did."""
+    bo = batches.batch_order
+    moved = np.flatnonzero(bo != np.arange(bo.shape[0]))
+    if moved.shape[0] != 2 or moved[0] != 0:
+        return False
+    k = int(moved[1])
+    b_off, r_off = batches.batch_offsets, batches.row_offsets
+    if b_off[1] - b_off[0] != b_off[k + 1] - b_off[k]:
+        return False
+    if r_off is not None and not np.array_equal(
+        np.diff(r_off[b_off[0] : b_off[1] + 1]), np.diff(r_off[b_off[k] : b_off[k + 1] + 1])
+    ):
+        return False
+    # A column with stride 0 holds one value (every start 0): nothing to exchange.
+    columns = [c for c in segments if c is not None and c.strides != (0,)]
+    if any(
+        not c.flags.writeable or (protect is not None and np.may_share_memory(c, protect)) for c in columns
+    ):
+        return False
+    lo, hi = (int(x) for x in batches.bounds[[k, k + 1]])
+    size = hi - lo
+    for c in columns:
+        first = c[:size].copy()
+        c[:size] = c[lo:hi]
+        c[lo:hi] = first
+    return True

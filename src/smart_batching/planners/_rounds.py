@@ -1,54 +1,21 @@
-"""Online planning rounds: what a strategy plans over a bounded buffer of a stream, and what it keeps.
+"""Pieces of online planning rounds: what a strategy plans over a bounded buffer of a stream, and what
+it keeps (:meth:`~smart_batching.planners.PlannerSpec.plan_round` returns a :class:`Cut`).
 
 The streaming planner (:mod:`smart_batching.streaming`) buffers examples, and each round asks the spec
-(:meth:`~smart_batching.planners.PlannerSpec.plan_round`) to plan the buffer: the batches good enough
-to emit now, and the examples to keep for the next round (a packed row still far from full, a batch
-that could still grow), within ``room``. Pure NumPy, like the planners.
+to plan the buffer: the batches good enough to emit now, and the examples to keep for the next round
+(a packed row still far from full, a batch that could still grow), within ``room``. Pure NumPy, like
+the planners; rounds are buffer-sized, so they shuffle batches eagerly.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import numpy as np
 
-from smart_batching.planners._common import (
-    costliest_in_plan,
-    fixed_offsets,
-    permutation,
-    permute_batches,
-    swap_to_front,
-)
-
-if TYPE_CHECKING:
-    from smart_batching.planners._spec import PlannerSpec
+from smart_batching.plan import Batches
+from smart_batching.planners._common import fixed_offsets, permutation, permute_batches
+from smart_batching.planners._spec import Cut, Room, Tuning
 
 EMPTY = np.zeros(0, dtype=np.int64)
-
-
-class Room(NamedTuple):
-    """What may stay in the buffer after a round."""
-
-    segments: int
-    tokens: int
-
-
-class Tuning(NamedTuple):
-    """Knobs of rounds that pack rows (see :class:`~smart_batching.streaming.StreamingBatcher`)."""
-
-    min_row_fill: float
-    reserve: float
-
-
-class Cut(NamedTuple):
-    """A round's decision, in positions of the buffer."""
-
-    order: np.ndarray  # (num_emitted,) emitted positions in plan order
-    row_offsets: np.ndarray  # (num_rows + 1,) into order
-    batch_offsets: np.ndarray  # (num_batches + 1,) into rows
-    batch_width: np.ndarray  # (num_batches,) padded tokens per row
-    keep: np.ndarray  # positions that stay in the buffer, ascending
-    drop: np.ndarray = EMPTY  # positions left out (drop_last at the end of the stream)
 
 
 def fits(counts: np.ndarray, tokens: np.ndarray, room: Room) -> int:
@@ -68,10 +35,10 @@ def batch_max(lens: np.ndarray, order: np.ndarray, offsets: np.ndarray) -> np.nd
 
 
 def padded_cut(
-    order: np.ndarray, offsets: np.ndarray, width: np.ndarray, keep: np.ndarray, drop=EMPTY
+    order: np.ndarray, offsets: np.ndarray, width: np.ndarray, keep: np.ndarray, drop: np.ndarray = EMPTY
 ) -> Cut:
-    """A cut of padded batches: one segment per row."""
-    return Cut(order, np.arange(order.shape[0] + 1, dtype=np.int64), offsets, width, keep, drop)
+    """A cut of padded batches: one segment per row, ``order`` positions of the buffer."""
+    return Cut(Batches(offsets, width, order=order), keep, drop)
 
 
 def fixed_size_round(
@@ -112,15 +79,4 @@ def fixed_size_round(
     return padded_cut(order, offsets, widths, keep, drop)
 
 
-def lead_with_costliest(spec: PlannerSpec, lens: np.ndarray, cut: Cut) -> Cut:
-    """``cut`` with its costliest batch swapped to the front
-    (:meth:`~smart_batching.planners.PlannerSpec.leads_with_costliest`); ``lens``: the buffer's
-    segment lengths. The streaming planner asks it for the first round of an epoch only."""
-    if cut.batch_offsets.shape[0] <= 2:
-        return cut
-    ordered = lens[cut.order]  # (num_emitted,)
-    k = costliest_in_plan(spec, ordered, cut.row_offsets, cut.batch_offsets, cut.batch_width)
-    (order,), rows, batches, width = swap_to_front(
-        k, (cut.order,), cut.row_offsets, cut.batch_offsets, cut.batch_width
-    )
-    return cut._replace(order=order, row_offsets=rows, batch_offsets=batches, batch_width=width)
+__all__ = ["EMPTY", "Cut", "Room", "Tuning", "batch_max", "fits", "fixed_size_round", "padded_cut"]

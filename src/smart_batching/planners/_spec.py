@@ -1,223 +1,86 @@
-"""What a strategy is: its spec class, which owns every per-strategy fact the rest of the library asks.
+"""What a strategy is: a spec class, a planner registered with it, and the optional abilities the
+rest of the library may ask of it. Code outside ``planners/`` never compares a strategy's name or
+tests a spec class; it asks the spec.
 
-Code outside ``planners/`` never compares a strategy's name or tests a spec class; it asks the spec:
+Required of every strategy (a toy is one short module, ``tests/toy_strategy.py``):
 
 ==========================  =======================================================================
-question                    asked as
+what                        how
 ==========================  =======================================================================
-planning one epoch          the planner registered with the spec (``planners.register``)
-planning a stream's buffer  ``spec.plan_round(lens, rng, room, tuning)``; ``cls.can_stream()``
-options from shared knobs   ``cls.options_from(Knobs(batch_size=..., max_tokens=..., ...))``
-several examples per row?   ``cls.packs_rows`` (the packing collator, packed attention)
-its collator                ``cls.collator(pad_token_id=..., **options)``
-fixed padded width          ``spec.fixed_width(longest)`` (None: each batch's longest)
-per-example token limit     ``spec.token_limit()`` -> ``(tokens or None, setting name)``
-limits after balancing      ``spec.unit_limits()`` (:class:`UnitLimits`)
-a budget ``"auto"`` sets    ``cls.budget_option`` (``max_tokens``, ``capacity`` or None)
-``name[variant]`` rows      ``cls.variant_option``, ``cls.analysis_variants``
-largest value of an option  ``cls.option_limits`` (``planners.option_limit(name)`` over all)
-costliest batch first?      ``spec.leads_with_costliest()``; ranked by ``spec.costliest_keys(...)``
-one-line description        ``cls.description``; option docs: ``cls.option_docs()``
-HF sampling it implements   ``cls.hf_sampling`` (a ``TrainingArguments.train_sampling_strategy``),
-                            with ``cls.hf_sampling_options`` where its defaults differ from HF's
+a frozen spec dataclass     ``class MySpec(PlannerSpec)``: its options as keyword-only fields,
+                            validated in ``__post_init__`` (messages name the field to change)
+``name``, ``description``   the registry name, one line for the CLI and reports
+``options_from(knobs)``     its options from the shared settings (:class:`Knobs`)
+the planner                 ``plan_mine(lengths, spec, rng) -> PlanParts``, registered with the spec
 ==========================  =======================================================================
 
-Adding a strategy is one module with a spec subclass and a planner, one ``register`` line, and its
-tests (CONTRIBUTING.md).
+Facts with defaults (override where they differ): ``packs_rows`` (False), ``token_limit()`` (the
+``max_length`` option), ``fixed_width(longest)`` (None: each batch padded to its longest). Derived,
+not overridden: ``collator()``, ``option_docs()``, ``can_stream()``. Optional abilities, each with a
+default (:mod:`._abilities`): streaming rounds (``plan_round``), step-balance limits
+(``micro_batch_limits``), costliest-first (``leads_with_costliest``, ``costliest_keys``), and hints
+for the tools (``budget_option``, ``variant_option``, ``analysis_variants``, ``option_limits``,
+``hf_sampling``, ``example_options``).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from smart_batching.errors import ConfigError
-
-if TYPE_CHECKING:
-    from smart_batching.planners._rounds import Cut, Room, Tuning
+from smart_batching.planners._abilities import (
+    CostliestFirst,
+    Cut,
+    Knobs,
+    MicroBatchLimits,
+    Room,
+    StepBalance,
+    StreamingRounds,
+    ToolHints,
+    Tuning,
+)
 
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 
+UnitLimits = MicroBatchLimits
+"""The former name of :class:`MicroBatchLimits` ("unit" now means an example or document only,
+:mod:`smart_batching.units`); kept for ``distributed/_balance.py`` and ``_reform.py``."""
 
-@dataclass(frozen=True)
-class Knobs:
-    """The settings callers (CLI, analysis, bench) speak in; each strategy takes those it uses.
-
-    None means not given: the strategy keeps its own default for that option.
-
-    Attributes:
-        batch_size: examples per batch (fixed-size strategies).
-        max_tokens: padded tokens per batch (token budgets).
-        capacity: tokens per packed row.
-        max_length: most tokens per example (longer ones follow ``overlong``).
-        overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"``.
-        longest: longest example of the data, for strategies that pad to one width.
-    """
-
-    batch_size: int | None = None
-    max_tokens: int | None = None
-    capacity: int | None = None
-    max_length: int | None = None
-    overlong: str | None = None
-    longest: int | None = None
-
-    def given(self, **mapping: str) -> dict[str, Any]:
-        """``{option: knob value}`` for the knobs that were given (``option=knob name``)."""
-        return {opt: getattr(self, knob) for opt, knob in mapping.items() if getattr(self, knob) is not None}
-
-
-@dataclass(frozen=True)
-class UnitLimits:
-    """What a micro-batch may hold after balancing across ranks (:meth:`PlannerSpec.unit_limits`)."""
-
-    capacity: int | None  # packed: tokens per row
-    rows_per_unit: int  # packed: rows per micro-batch
-    max_tokens: int | None  # token budget: rows × longest
-    max_rows: int | None  # most examples per micro-batch (fixed sizes: a little slack allowed)
-    batch_size: int | None = None  # fixed-size strategies: the planned size, without the slack
-
-    @classmethod
-    def of(cls, plan: Any) -> UnitLimits:
-        """The limits of ``plan``'s strategy."""
-        return plan.spec.unit_limits()
-
-    def fits(self, lengths: np.ndarray, *, planned: bool = False) -> bool:
-        """Whether a micro-batch of segments with these token lengths respects the limits;
-        ``planned`` holds fixed-size batches to the planned size (no slack)."""
-        return self.admits(lengths.size, int(lengths.sum()), int(lengths.max(initial=0)), planned=planned)
-
-    def admits(self, rows: int, tokens: int, longest: int, *, planned: bool = False) -> bool:
-        """:meth:`fits` for a micro-batch of ``rows`` segments, ``tokens`` in all, the longest ``longest``."""
-        if self.capacity is not None:
-            return tokens <= self.capacity * self.rows_per_unit
-        max_rows = self.batch_size if planned and self.batch_size is not None else self.max_rows
-        if max_rows is not None and rows > max_rows:
-            return False
-        return self.max_tokens is None or rows * longest <= self.max_tokens
-
-    def headroom(self, rows: int, tokens: int, longest: int, cost_of_length: Callable[[int], int]) -> float:
-        """Most cost a micro-batch could still take in segments no longer than its longest one."""
-        if rows == 0:
-            return math.inf
-        if self.capacity is not None:
-            return cost_of_length(self.capacity * self.rows_per_unit - tokens)
-        most = math.inf if self.max_rows is None else self.max_rows
-        if self.max_tokens is not None:
-            most = min(most, self.max_tokens // max(longest, 1))
-        return math.inf if most == math.inf else max(0, most - rows) * cost_of_length(longest)
-
-
-def range_sums_and_maxima(
-    values: np.ndarray, starts: np.ndarray, ends: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sum and maximum of ``values[starts[i]:ends[i]]`` for each range ``i`` (0 for an empty one); the
-    ranges may come in any order.
-
-    Returns:
-        ``(sums, maxima)``, each ``(len(starts),)`` int64. Two vectorised passes over ``values``.
-    """
-    if starts.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    csum = np.zeros(values.shape[0] + 1, dtype=np.int64)
-    np.cumsum(values, out=csum[1:])
-    sums = csum[ends] - csum[starts]
-    # One reduceat over interleaved (start, end) bounds; the appended 0 keeps an end bound in range.
-    # reduceat also reduces each gap [end_i, start_i+1): with the ranges in start order and disjoint
-    # (every plan's batches, dealt to ranks in any order) the bounds only grow and the gaps hold each
-    # value once, O(n); in their given order a gap can span most of the array (O(n × ranges): 7 s
-    # for 1M examples dealt to 1,024 ranks).
-    padded = np.append(values, 0).astype(np.int64, copy=False)
-    by_start = np.argsort(starts, kind="stable")  # (num_ranges,)
-    s, e = starts[by_start], ends[by_start]
-    maxima = np.zeros(starts.shape[0], dtype=np.int64)
-    if np.all(s[1:] >= np.maximum(e[:-1], s[:-1])):  # disjoint (empty ranges anywhere)
-        bounds = np.stack([s, np.maximum(e, s)], axis=1).reshape(-1)  # non-decreasing
-        maxima[by_start] = np.maximum.reduceat(padded, bounds)[::2]
-    else:  # overlapping ranges: each gap reduced in the given order (rare: no plan makes them)
-        maxima[:] = np.maximum.reduceat(padded, np.stack([starts, ends], axis=1).reshape(-1))[::2]
-    empty = ends <= starts
-    sums[empty] = 0
-    maxima[empty] = 0
-    return sums, maxima
-
-
-class BatchShapes:
-    """What the costliest-first rule may ask of each batch (:meth:`PlannerSpec.costliest_keys`), over
-    ``(num_batches,)`` arrays; ``tokens`` and ``longest`` each cost one pass over the segments, made
-    only when asked.
-
-    Args:
-        rows: rows of each batch.
-        width: padded tokens per row of each batch; None: each batch's longest segment.
-        lengths: segment lengths; batch ``b`` holds ``lengths[starts[b]:ends[b]]``.
-    """
-
-    def __init__(
-        self,
-        rows: np.ndarray,
-        width: np.ndarray | None,
-        lengths: np.ndarray,
-        starts: np.ndarray,
-        ends: np.ndarray,
-    ) -> None:
-        self.rows = rows
-        self._width = width
-        self._lengths, self._starts, self._ends = lengths, starts, ends
-        # Consecutive, non-empty batches (every plan's): a reduceat each, no copies.
-        self._consecutive = bool(
-            starts.shape[0]
-            and starts[0] == 0
-            and np.all(ends > starts)
-            and np.array_equal(starts[1:], ends[:-1])
-        )
-
-    @cached_property
-    def width(self) -> np.ndarray:
-        return self.longest if self._width is None else self._width
-
-    def _reduce(self, ufunc: np.ufunc) -> np.ndarray:
-        if self._consecutive:
-            return ufunc.reduceat(self._lengths[: int(self._ends[-1])], self._starts).astype(np.int64)
-        sums, maxima = range_sums_and_maxima(self._lengths, self._starts, self._ends)
-        return sums if ufunc is np.add else maxima
-
-    @cached_property
-    def tokens(self) -> np.ndarray:
-        """Real tokens of each batch."""
-        return self._reduce(np.add)
-
-    @cached_property
-    def longest(self) -> np.ndarray:
-        """Tokens of each batch's longest segment."""
-        return self._reduce(np.maximum)
+__all__ = [
+    "OVERLONG_POLICIES",
+    "CostliestFirst",
+    "Cut",
+    "Knobs",
+    "MicroBatchLimits",
+    "PlannerSpec",
+    "Room",
+    "StepBalance",
+    "StreamingRounds",
+    "ToolHints",
+    "Tuning",
+    "UnitLimits",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlannerSpec:
-    """Base of the per-strategy specs. Subclasses are frozen, keyword-only, validated on creation, and
-    answer every per-strategy question (see the module docstring); the defaults here fit a padded
-    strategy with one example per row."""
+class PlannerSpec(StreamingRounds, StepBalance, CostliestFirst, ToolHints):
+    """Base of the per-strategy specs. Subclasses are frozen, keyword-only dataclasses, validated on
+    creation, that set :attr:`name` and :attr:`description` and override :meth:`options_from`; the
+    other answers have defaults that fit a padded strategy with one example per row (see the module
+    docstring and :mod:`._abilities`)."""
 
     name: ClassVar[str] = ""
+    """The registry name (required)."""
     description: ClassVar[str] = ""
+    """One line for the CLI's help and reports (required)."""
     packs_rows: ClassVar[bool] = False
-    budget_option: ClassVar[str | None] = None
-    variant_option: ClassVar[str | None] = None
-    analysis_variants: ClassVar[tuple[str, ...]] = ()
-    option_limits: ClassVar[dict[str, int]] = {}
-    hf_sampling: ClassVar[str | None] = None
-    """The ``TrainingArguments.train_sampling_strategy`` whose semantics this strategy keeps (a trainer
-    set to it is honoured by this strategy and refused with any other); None: none."""
-    hf_sampling_options: ClassVar[dict[str, Any]] = {}
-    """Options that give HF's semantics when a trainer asks for :attr:`hf_sampling` (where the
-    strategy's own defaults differ); options the caller sets win."""
+    """Rows hold several examples: the packing collator and packed attention."""
 
     # -- validation helpers ------------------------------------------------------------------------
 
@@ -257,11 +120,6 @@ class PlannerSpec:
         return PaddingCollator(pad_token_id, **options)
 
     @classmethod
-    def can_stream(cls) -> bool:
-        """Whether the streaming planner can plan this strategy over a bounded buffer."""
-        return cls.plan_round is not PlannerSpec.plan_round
-
-    @classmethod
     def option_docs(cls) -> dict[str, str]:
         """``{option: its one-line doc}``, from the ``Attributes:`` section of the spec's docstring."""
         doc = inspect.getdoc(cls) or ""
@@ -287,60 +145,3 @@ class PlannerSpec:
     def token_limit(self) -> tuple[int | None, str]:
         """Most tokens one segment may hold, and the name of the setting that says so."""
         return getattr(self, "max_length", None), "max_length"
-
-    def unit_limits(self) -> UnitLimits:
-        """What a micro-batch may hold after balancing across ranks. Default: a fixed batch size,
-        with a little slack (an eighth) for the balancer's moves."""
-        bs = getattr(self, "batch_size", None)
-        return UnitLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
-
-    def leads_with_costliest(self) -> bool:
-        """Whether the batch with the largest :meth:`footprint` goes first (step 0 of every epoch; on
-        several processes the optimizer step holding it, see :func:`~smart_batching.distributed.distribute`),
-        so that a budget that does not fit fails at the first step and not hours later.
-
-        Default: the spec's ``costliest_first`` option, False for a spec without one. A new strategy
-        gets the rule by declaring ``costliest_first: bool = True``; the swap itself is done outside the
-        planner (:func:`~smart_batching.planners._common.lead_with_costliest`), ranking batches by
-        :meth:`costliest_keys`. Its cost in randomness: one batch per epoch moved to the front by a
-        swap with batch 0; the rest keeps its order.
-        """
-        return bool(getattr(self, "costliest_first", False))
-
-    def footprint(self, shapes: BatchShapes) -> np.ndarray:
-        """Memory footprint of batches in token positions, ``(num_batches,)``: what a step holds in
-        activations. Rows padded to a width cost ``rows × width`` (token slots); rows that hold several
-        examples are flattened into one padding-free sequence by the packing collator and cost their
-        real ``tokens``."""
-        return shapes.tokens if self.packs_rows else shapes.rows * shapes.width
-
-    def costliest_keys(self, shapes: BatchShapes) -> tuple[np.ndarray, np.ndarray]:
-        """How batches rank for :meth:`leads_with_costliest`: ``(key, tie-break)``, each
-        ``(num_batches,)``; the largest key wins, ties go to the largest tie-break, then to the first
-        batch. Default: the :meth:`footprint`, ties to the longest segment (attention cost)."""
-        return self.footprint(shapes), shapes.longest
-
-    def check_streamable(self) -> None:
-        """Raise :class:`ConfigError` when these settings cannot be planned online (the strategy can).
-
-        The default refuses a ``window=`` (the randomness knob of the length-aware strategies): a stream
-        is planned a buffer at a time, which is a window already. Overrides call ``super()`` first."""
-        if getattr(self, "window", None) is not None:
-            raise ConfigError(
-                f"{type(self).__name__}: window= draws windows over a whole dataset, but a stream is planned a "
-                "buffer at a time, which is a window already: leave window=None and set the buffer's size "
-                "(buffer_size=) instead"
-            )
-
-    def plan_round(
-        self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
-    ) -> Cut:
-        """One online planning round over a stream's buffer (:mod:`smart_batching.planners._rounds`).
-
-        Args:
-            lens: ``(m,)`` token lengths of the buffered segments.
-            rng: this round's generator.
-            room: what may stay in the buffer; None at the end of the stream (emit everything).
-            tuning: knobs of strategies that pack rows.
-        """
-        raise ConfigError(f"strategy {self.name!r} cannot stream: it defines no plan_round")

@@ -15,10 +15,9 @@ Two modes:
   ``train_sampling_strategy="group_by_length"`` gets this mode (``hf_sampling_options``).
 
 Why ``"sorted"`` is the default: in the accuracy-parity study (benchmarks/RESULTS.md) both modes are
-within noise of random batches under a decaying learning rate, and sorted pads less (SST-2 98 % against
-93 % efficiency). Under a constant learning rate HF's megabatch order cost 5.9 SST-2 accuracy points on
-average over 5 seeds (-14.5 to +2.7, 95 %), sorted mode 1.8 (-5.0 to +1.3): megabatch batches run from long to short within each
-megabatch, and the epoch ends on the shortest examples.
+within noise of random batches under a decaying learning rate and sorted pads less; under a constant
+learning rate HF's megabatch order costs more accuracy, because its batches run from long to short
+within each megabatch and the epoch ends on the shortest examples.
 
 In both modes the batch holding the longest example goes first, HF's rule
 (:meth:`GroupByLengthSpec.leads_with_costliest`; ties to the largest footprint, rows × longest). With
@@ -27,8 +26,9 @@ swaps it with batch 0 after the shuffle, which costs one batch position per epoc
 sorted mode the last, incomplete batch holds the longest examples: it goes first, as HF's rule says,
 even where a full batch before it has more token slots.)
 
-Both are O(n): one permutation plus radix argsorts (lengths below 65,536). 10M examples: about 0.6 s
-here, against 6.7 s for transformers' ``LengthGroupedSampler``.
+Both are O(n): one permutation plus counting sorts. 10M examples plan in about half the time of
+numpy's stable argsort of their lengths, many times faster than transformers' ``LengthGroupedSampler``
+(``benchmarks/planner_speed.py``).
 """
 
 from __future__ import annotations
@@ -39,21 +39,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from smart_batching.errors import ConfigError
+from smart_batching.plan import BatchShapes
 from smart_batching.planners._common import (
-    PlannerSpec,
     PlanParts,
     apply_overlong,
     drop_tail,
     fixed_offsets,
     padded_parts,
     permutation,
-    permute_batches,
     sort_blocks,
     sort_by_length,
     sort_within_windows,
 )
-from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
-from smart_batching.planners._spec import BatchShapes, Knobs
+from smart_batching.planners._rounds import fixed_size_round
+from smart_batching.planners._spec import Cut, Knobs, PlannerSpec, Room, Tuning
 
 MODES = ("megabatch", "sorted")
 GENERATORS = ("numpy", "torch")
@@ -126,6 +125,15 @@ class GroupByLengthSpec(PlannerSpec):
     def options_from(cls, knobs: Knobs) -> dict[str, Any]:
         return knobs.given(batch_size="batch_size", max_length="max_length", overlong="overlong")
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        return {
+            "": {"batch_size": 8},
+            "megabatch": {"batch_size": 4, "mode": "megabatch"},
+            "window": {"batch_size": 4, "window": 37},
+            "drop_last": {"batch_size": 5, "drop_last": True},
+        }
+
     def check_streamable(self) -> None:
         super().check_streamable()
         if self.generator == "torch":
@@ -150,7 +158,7 @@ class GroupByLengthSpec(PlannerSpec):
             order, _ = megabatch_order(lens, self.batch_size, self.megabatch_mult, rng)
             shuffle_batches = False
         else:
-            order, shuffle_batches = sort_by_length(lens, rng), True
+            order, shuffle_batches = sort_by_length(lens, rng)[0], True
         return fixed_size_round(
             lens, order, rng, room, batch_size=self.batch_size, drop_last=self.drop_last,
             shuffle_batches=shuffle_batches,
@@ -187,23 +195,22 @@ def megabatch_order(
 
 
 def plan_group_by_length(lengths: np.ndarray, spec: GroupByLengthSpec, rng: np.random.Generator) -> PlanParts:
-    segments = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
-    seg_len = segments.lengths
+    segments, counts = apply_overlong(lengths, spec.max_length, spec.overlong, "max_length")
+    seg_len = segments.length
     if spec.mode == "megabatch":
         perm = torch_permutation(seg_len.shape[0], rng) if spec.generator == "torch" else None
         order, ordered = megabatch_order(seg_len, spec.batch_size, spec.megabatch_mult, rng, perm)
         offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
-    else:
-        order = sort_within_windows(seg_len, rng, spec.window)
-        offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
         if spec.drop_last:
-            segments = drop_tail(segments, order, offsets)
-            order = order[: int(offsets[-1])]
-        order, offsets = permute_batches(order, offsets, permutation(len(offsets) - 1, rng))
-        return padded_parts(segments, order, offsets)
+            counts = drop_tail(segments, counts, order, offsets)
+        return padded_parts(segments, counts, order, offsets, ordered=ordered)
+    order, ordered = sort_within_windows(seg_len, rng, spec.window)
+    offsets = fixed_offsets(order.shape[0], spec.batch_size, drop_last=spec.drop_last)
     if spec.drop_last:
-        segments = drop_tail(segments, order, offsets)
-    return padded_parts(segments, order, offsets, ordered=ordered)
+        counts = drop_tail(segments, counts, order, offsets)
+    # Batches in a random order, applied when the plan is laid out (with the costliest one first).
+    shuffle = permutation(len(offsets) - 1, rng)
+    return padded_parts(segments, counts, order, offsets, ordered=ordered, batch_order=shuffle)
 
 
 def torch_permutation(n: int, rng: np.random.Generator) -> np.ndarray:

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from smart_batching.errors import ConfigError
-from smart_batching.planners._common import PlannerSpec, PlanParts, permutation
-from smart_batching.planners._rounds import Cut, Room, Tuning, fixed_size_round
-from smart_batching.planners._spec import Knobs
+from smart_batching.planners._common import PlanParts, permutation
+from smart_batching.planners._rounds import fixed_size_round
+from smart_batching.planners._spec import Cut, Knobs, PlannerSpec, Room, Tuning
 from smart_batching.planners.random import plan_random
 
 
@@ -50,6 +50,10 @@ class MaxLengthSpec(PlannerSpec):
             options["max_length"] = max(1, min(widths))
         return options
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        return {"": {"batch_size": 8, "max_length": longest}, "longest": {"batch_size": 3}}
+
     def fixed_width(self, longest: int) -> int | None:
         return self.max_length if self.max_length is not None else longest
 
@@ -72,6 +76,7 @@ class MaxLengthSpec(PlannerSpec):
 def plan_max_length(lengths: np.ndarray, spec: MaxLengthSpec, rng: np.random.Generator) -> PlanParts:
     # The same shuffled batches as ``random``; only the padded width differs.
     parts = plan_random(lengths, spec, rng)  # type: ignore[arg-type]  (same fields)
-    seg_len = parts.segments.lengths
-    width = spec.max_length if spec.max_length is not None else int(seg_len.max()) if seg_len.size else 0
-    return parts._replace(batch_width=np.full(len(parts.batch_offsets) - 1, width, dtype=np.int64))
+    # Without max_length no example is cut: the width is the longest of them all (dropped ones too).
+    width = spec.max_length if spec.max_length is not None else int(lengths.max()) if lengths.size else 0
+    batches = parts.batches
+    return parts._replace(batches=batches._replace(width=np.full(batches.num_batches, width, dtype=np.int64)))

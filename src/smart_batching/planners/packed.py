@@ -4,14 +4,15 @@ Sort by length, descending (ties at random, radix sort), then best-fit-decreasin
 the fullest row it still fits, found through buckets of rows keyed by remaining capacity and a two-level
 bitmap over the buckets: O(n) plus O(1) word operations per example. First-fit-decreasing is available
 for comparison (a segment tree over rows, O(n log rows)). Rows are shuffled and grouped
-``rows_per_batch`` to a batch. 10M examples at capacity 4096: about 0.6 s here after compile warm-up
-(TRL's BFD: 143 s).
+``rows_per_batch`` to a batch. 10M examples at capacity 4096 plan in under 0.75x the time of numpy's
+stable argsort of their lengths after compile warm-up, against minutes for TRL's BFD
+(``benchmarks/planner_speed.py``).
 
 ``auto`` also fills rows exactly (subset sum on bitsets over the distinct sizes, O(log d) plus the
 subset sum per row) and repairs the plan by large-neighbourhood search, whose work is bounded linearly
 in n at any capacity (:data:`REFINE_WORK`); at long-context capacities it stops within 0.1 % of the
-lower bound. 50k lognormal lengths (median 4,000) at capacity 32,768: 0.004 s, rows 1.0001 x the lower
-bound (it took 114 s and 1.1 GB before the bounds; capacity 262,143 ran out of memory).
+lower bound. 50k lognormal lengths (median 4,000) at capacity 32,768: a few milliseconds, rows 1.0001 x
+the lower bound.
 """
 
 from __future__ import annotations
@@ -22,24 +23,24 @@ from typing import Any, ClassVar
 import numpy as np
 
 from smart_batching.errors import ConfigError
-from smart_batching.plan import packing_lower_bound
+from smart_batching.plan import Batches, packing_lower_bound
 from smart_batching.planners._common import (
-    PlannerSpec,
     PlanParts,
     apply_overlong,
     fixed_offsets,
+    in_order,
     permutation,
     sort_by_length,
 )
-from smart_batching.planners._kernels import (
+from smart_batching.planners._packing_kernels import (
     _CTZ_TABLE,
     best_fit_decreasing,
     fill_rows,
     first_fit_decreasing,
     group_by_row,
 )
-from smart_batching.planners._rounds import EMPTY, Cut, Room, Tuning, fits
-from smart_batching.planners._spec import Knobs, UnitLimits
+from smart_batching.planners._rounds import EMPTY, fits
+from smart_batching.planners._spec import Cut, Knobs, MicroBatchLimits, PlannerSpec, Room, Tuning
 
 ALGORITHMS = ("auto", "bfd", "fill", "ffd")
 MAX_CAPACITY = 262_143
@@ -119,14 +120,25 @@ class PackedSpec(PlannerSpec):
         given = knobs.given(capacity="capacity", overlong="overlong")
         return {**given, "rows_per_batch": 1} if knobs.capacity is not None else given
 
+    @classmethod
+    def example_options(cls, longest: int) -> dict[str, dict[str, Any]]:
+        cap = max(longest, 1)
+        return {
+            "": {"capacity": cap},
+            "window": {"capacity": cap, "window": 37},
+            "bfd": {"capacity": cap, "algorithm": "bfd"},
+            "ffd": {"capacity": cap, "algorithm": "ffd"},
+            "fill,3 rows": {"capacity": cap, "algorithm": "fill", "rows_per_batch": 3},
+        }
+
     def token_limit(self) -> tuple[int | None, str]:
         return self.capacity, "capacity"
 
     def leads_with_costliest(self) -> bool:
         return self.costliest_first and self.shuffle
 
-    def unit_limits(self) -> UnitLimits:
-        return UnitLimits(self.capacity, self.rows_per_batch, None, None)
+    def micro_batch_limits(self) -> MicroBatchLimits:
+        return MicroBatchLimits(self.capacity, self.rows_per_batch, None, None)
 
     def plan_round(
         self, lens: np.ndarray, rng: np.random.Generator, room: Room | None, tuning: Tuning
@@ -135,8 +147,7 @@ class PackedSpec(PlannerSpec):
         the last, fullest rows (they hold the shortest examples, which close the next round's gaps) stay
         in the buffer, room permitting."""
         cap = self.capacity
-        by_size = sort_by_length(lens, rng, descending=True)  # (m,)
-        sizes = lens[by_size]  # (m,) decreasing
+        by_size, sizes = sort_by_length(lens, rng, descending=True)  # (m,) positions, decreasing sizes
         row_of, num_rows = pack(sizes, cap, self.algorithm)
         fill = np.bincount(row_of, weights=sizes, minlength=num_rows).astype(np.int64)  # (num_rows,) tokens
         keep_rows = EMPTY
@@ -170,7 +181,7 @@ class PackedSpec(PlannerSpec):
         end = int(offsets[num_emit])
         batch_offsets = fixed_offsets(num_emit, self.rows_per_batch, drop_last=False)
         width = np.full(batch_offsets.shape[0] - 1, cap, dtype=np.int64)
-        return Cut(ids[:end], offsets[: num_emit + 1], batch_offsets, width, ids[end:])
+        return Cut(Batches(batch_offsets, width, offsets[: num_emit + 1], ids[:end]), ids[end:])
 
 
 def refine(
@@ -186,10 +197,8 @@ def refine(
     the result when it needs fewer rows. Deterministic in ``rng``; stops at the lower bound (within
     :data:`REFINE_TOLERANCE` of it from capacity :data:`LONG_CONTEXT` on), after ``iters`` rounds, or
     when the work bound :data:`REFINE_WORK` (bitset word operations per example) is spent, so its
-    cost stays linear in n at any capacity.
-
-    On SGD dialogues at capacity 1024 (about 2.8 examples per row, where exact filling alone ends
-    1.6 % above the bound) it reaches 1.0014 in about half a second.
+    cost stays linear in n at any capacity. It pays where few examples share a row (short rows of
+    long dialogues), where exact filling alone stays above the bound.
     """
     lower = packing_lower_bound(sizes, capacity)
     tolerance = REFINE_TOLERANCE if capacity >= LONG_CONTEXT else 0.0
@@ -262,12 +271,15 @@ def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.
 
 
 def _pack_window(
-    seg_len: np.ndarray, positions: np.ndarray, spec: PackedSpec, rng: np.random.Generator
+    seg_len: np.ndarray, positions: np.ndarray | None, spec: PackedSpec, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Pack the segments at ``positions``: ``(by_size, sizes, row_of, num_rows)``, positions in decreasing
-    size, their sizes, and the row of each (rows numbered from 0)."""
-    by_size = positions[sort_by_length(seg_len[positions], rng, descending=True)]  # (m,)
-    sizes = seg_len[by_size]  # (m,) decreasing
+    """Pack the segments at ``positions`` (None: all of them): ``(by_size, sizes, row_of, num_rows)``,
+    positions in decreasing size, their sizes, and the row of each (rows numbered from 0)."""
+    if positions is None:
+        by_size, sizes = sort_by_length(seg_len, rng, descending=True)  # (m,) positions, (m,) decreasing
+    else:
+        local, sizes = sort_by_length(seg_len[positions], rng, descending=True)
+        by_size = positions[local]
     row_of, num_rows = pack(sizes, spec.capacity, spec.algorithm)
     if spec.algorithm == "auto" and sizes.shape[0] <= REFINE_MAX:
         row_of, num_rows = refine(sizes, row_of, num_rows, spec.capacity, rng)
@@ -275,11 +287,11 @@ def _pack_window(
 
 
 def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator) -> PlanParts:
-    segments = apply_overlong(lengths, spec.capacity, spec.overlong, "capacity")
-    seg_len = segments.lengths
+    segments, counts = apply_overlong(lengths, spec.capacity, spec.overlong, "capacity")
+    seg_len = segments.length
     n = seg_len.shape[0]
     if spec.window is None or spec.window >= n:
-        by_size, sizes, row_of, num_rows = _pack_window(seg_len, np.arange(n, dtype=np.int64), spec, rng)
+        by_size, sizes, row_of, num_rows = _pack_window(seg_len, None, spec, rng)
     else:
         perm = permutation(n, rng)  # (n,) windows of `window` shuffled positions, a fresh draw per epoch
         parts = [
@@ -290,18 +302,24 @@ def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator)
         sizes = np.concatenate([p[1] for p in parts])
         row_of = np.concatenate([p[2] + first for p, first in zip(parts, firsts, strict=True)])
         num_rows = int(firsts[-1]) + parts[-1][3]
-    if spec.shuffle and num_rows > 1:
-        row_of = permutation(num_rows, rng)[row_of]  # relabel rows at random: the counting sort shuffles them
+    shuffle = (
+        permutation(num_rows, rng) if spec.shuffle and num_rows > 1 else None
+    )  # (num_rows,) new row numbers
+    batch_order = None
+    if shuffle is not None and spec.rows_per_batch == 1:
+        # One row per batch: rows stay in packing order, and their shuffle (with the costliest batch
+        # first) is applied when the plan is laid out. Row r goes to place shuffle[r].
+        batch_order = np.empty(num_rows, dtype=np.int64)
+        batch_order[shuffle] = np.arange(num_rows, dtype=np.int64)
+    elif shuffle is not None:
+        row_of = shuffle[row_of]  # relabel rows at random: the counting sort below shuffles them
     order, ordered_lengths, row_offsets = group_by_row(row_of, num_rows, by_size, sizes)
     batch_offsets = fixed_offsets(num_rows, spec.rows_per_batch, drop_last=False)
     width = np.full(len(batch_offsets) - 1, spec.capacity, dtype=np.int64)
     return PlanParts(
-        segments,
-        order,
-        row_offsets,
-        batch_offsets,
-        width,
+        in_order(segments, counts, order, ordered_lengths),
+        Batches(batch_offsets, width, row_offsets, batch_order=batch_order),
+        counts,
         capacity=spec.capacity,
         lower_bound_rows=packing_lower_bound(seg_len, spec.capacity),
-        ordered_lengths=ordered_lengths,
     )

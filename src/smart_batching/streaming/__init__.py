@@ -44,18 +44,17 @@ position ``start`` on (seekable sources: resuming then reads only from the oldes
 Storing positions instead of examples keeps the state a few ints per buffered segment and JSON- and
 ``torch.load(weights_only=True)``-safe; the price is re-reading the consumed prefix on resume.
 
-Measured (2-CPU x86_64 shared with other jobs, load average ~5; 10M lengths resampled from GSM8K fed
-as arrays of 65,536, capacity 2048, 10,000-example buffer): packed fill 99.9996 % against 99.9988 % for
-the global plan, 2.3M examples/s wall (3.4M/s of process time) including handing out every batch. On
-GSM8K, LIMA, SGD and SST-2 the 10k buffer is within 0.05 points of the global plan, where TRL's
-per-1,000-row BFD gets 93.7-99.7 % (``benchmarks/streaming.py``).
+``benchmarks/streaming.py`` compares the stream's fill with the global plan's and with TRL's BFD over
+map batches, on GSM8K, LIMA, SGD and SST-2, and measures its throughput.
 
-Modules: ``_rounds`` (one planning round per strategy over the buffer), ``_reader`` (reading the
-source in chunks), ``batcher`` (:class:`StreamingBatcher`), ``dataset`` (:class:`StreamingBatchDataset`,
-sharded over ranks and DataLoader workers).
+Modules: ``_buffer`` (the buffered segments, the emitted batches and their state dicts), ``_reader``
+(reading the source in chunks), ``_stats`` (:class:`StreamingStats`), ``batcher``
+(:class:`StreamingBatcher`: rounds, resuming), ``dataset`` (:class:`StreamingBatchDataset`, sharded over
+ranks and DataLoader workers). What a round keeps and emits is each strategy's
+(``PlannerSpec.plan_round``, with the pieces in :mod:`smart_batching.planners._rounds`).
 """
 
-from smart_batching.streaming._rounds import STATE_VERSION
+from smart_batching.streaming._buffer import STATE_VERSION
 from smart_batching.streaming.batcher import StreamingBatcher, StreamingStats
 from smart_batching.streaming.dataset import StreamingBatchDataset
 

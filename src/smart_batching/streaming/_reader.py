@@ -10,7 +10,7 @@ import numpy as np
 
 from smart_batching.errors import DataError
 from smart_batching.plan import as_lengths
-from smart_batching.streaming._rounds import _EMPTY, _END, _READ_EXAMPLES, _READ_LENGTHS
+from smart_batching.streaming._buffer import _EMPTY, _END, _READ_EXAMPLES, _READ_LENGTHS
 
 # --- Reading the source ------------------------------------------------------------------------------
 

@@ -9,21 +9,22 @@ from typing import Any
 import numpy as np
 
 from smart_batching.errors import ConfigError, DataError, OverlongError, SmartBatchingError
-from smart_batching.plan import Segment
+from smart_batching.plan import Segment, Segments, lead_with_costliest
 from smart_batching.planners import Room, Tuning, make_spec, spec_class, strategy_names
 from smart_batching.planners._common import apply_overlong
-from smart_batching.planners._rounds import fits, lead_with_costliest
-from smart_batching.streaming._reader import _is_opener, _Reader
-from smart_batching.streaming._rounds import (
+from smart_batching.planners._rounds import fits
+from smart_batching.streaming._buffer import (
     _INF,
-    _NO_SEGS,
     _READ_LENGTHS,
     DEFAULT_MIN_ROW_FILL,
     DEFAULT_RESERVE,
+    NO_SEGMENTS,
     STATE_VERSION,
-    _Emission,
-    _Segs,
+    Emission,
+    segments_from_state,
+    segments_to_state,
 )
+from smart_batching.streaming._reader import _is_opener, _Reader
 from smart_batching.streaming._stats import _COUNTERS, StreamingStats, _non_negative, _positive_or_none
 from smart_batching.units import (
     EMPTY_POLICIES,
@@ -86,9 +87,8 @@ class StreamingBatcher:
         reserve: ``packed`` only: a round also keeps back the full rows it packed last (they hold the
             shortest examples, the best gap fillers for the next round) up to this fraction of the
             buffer's examples; None means 0.1. It matters most for short streams, whose last rounds
-            pack what is left (SGD, 12k examples, 10k buffer: 99.50 % fill with 0, 99.77 % with 0.1,
-            99.82 % with 0.25 = the global plan); each kept example is planned again, so 0.1 costs
-            about 1.2x the rounds of 0 and 0.25 about 1.5x.
+            pack what is left; each kept example is planned again, so a larger reserve costs more
+            rounds (``benchmarks/streaming.py`` measures both).
         progress: Show a tqdm bar with examples read and the running efficiency.
         empty_examples: Examples with no tokens, or (examples only) with no target token (every label
             ``-100``, an all-zero ``completion_mask`` / ``assistant_masks``): ``"skip"`` leaves them out as
@@ -168,9 +168,9 @@ class StreamingBatcher:
         self._rounds = 0
         self._flushed = False  # the stream ended and the last round emitted everything
         self._done = False  # an iterator ran to the end of this epoch: the next one starts the next epoch
-        self._buffer = _NO_SEGS
+        self._buffer = NO_SEGMENTS
         self._buffered_tokens = 0
-        self._ready: _Emission | None = None  # the last round's batches ...
+        self._ready: Emission | None = None  # the last round's batches ...
         self._ready_next = 0  # ... from this one on not yet yielded
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._examples: dict[int, list[Any]] = {}  # stream position -> [example, segments not yet yielded]
@@ -196,7 +196,7 @@ class StreamingBatcher:
             efficiency=eff,
             padding_ratio=1.0 - eff,
             num_rounds=self._rounds,
-            num_buffered=int(self._buffer.ids.shape[0]),
+            num_buffered=self._buffer.num_segments,
             **c,
         )
 
@@ -228,7 +228,7 @@ class StreamingBatcher:
             "num_rounds": self._rounds,
             "flushed": self._flushed,
             "done": self._done,
-            "buffer": self._buffer.to_state(),
+            "buffer": segments_to_state(self._buffer),
             "ready": ready,
             "counters": dict(self._counters),
         }
@@ -275,10 +275,10 @@ class StreamingBatcher:
         self._rounds = _non_negative("num_rounds", state["num_rounds"])
         self._flushed = bool(state["flushed"])
         self._done = bool(state["done"])
-        self._buffer = _Segs.from_state(state["buffer"])
-        self._buffered_tokens = int(self._buffer.seg_lengths.sum())
+        self._buffer = segments_from_state(state["buffer"])
+        self._buffered_tokens = int(self._buffer.length.sum())
         if state["ready"] is not None:
-            self._ready = _Emission.from_state(state["ready"])
+            self._ready = Emission.from_state(state["ready"])
         # Counters added later (num_empty, num_masked) read as 0 from older states.
         self._counters.update({k: int(state["counters"].get(k, 0)) for k in _COUNTERS})
         self._generation += 1
@@ -337,13 +337,15 @@ class StreamingBatcher:
         if not _is_opener(self.source) and hasattr(self.source, "set_epoch"):
             self.source.set_epoch(self._epoch)
         held = (
-            _Segs.concat([self._buffer, self._ready.segs.tail(self._ready.bounds[self._ready_next])])
+            Segments.concat(
+                [self._buffer, self._ready.segs.take(slice(self._ready.bounds[self._ready_next], None))]
+            )
             if (self._ready is not None)
             else self._buffer
         )
-        want, first = np.unique(held.ids, return_index=True)  # (num_held,) ascending positions
-        want_lengths = held.lengths[first]
-        refs = np.bincount(np.searchsorted(want, held.ids), minlength=want.shape[0])
+        want, first = np.unique(held.example, return_index=True)  # (num_held,) ascending positions
+        want_lengths = held.example_length[first]
+        refs = np.bincount(np.searchsorted(want, held.example), minlength=want.shape[0])
         start = int(want[0]) if want.size else self._consumed
         reader = _Reader(self.source, self.length_fn, start)
         self._reader = reader
@@ -406,7 +408,7 @@ class StreamingBatcher:
         bound_count = self.buffer_size or _INF
         bound_tokens = self.buffer_tokens or _INF
         parts = [self._buffer]
-        count = int(self._buffer.ids.shape[0])
+        count = self._buffer.num_segments
         need = None
         while True:
             if self._pending is None:
@@ -423,20 +425,20 @@ class StreamingBatcher:
             if k:
                 new = self._ingest(lens[:k], None if examples is None else examples[:k])
                 parts.append(new)
-                count += new.ids.shape[0]
-                self._buffered_tokens += int(new.seg_lengths.sum())
+                count += new.num_segments
+                self._buffered_tokens += int(new.length.sum())
             if k < lens.shape[0]:
                 self._pending = (lens[k:], None if examples is None else examples[k:])
                 need = (int(pieces[k]), int(tokens[k]))
                 break
             self._pending = None
-        self._buffer = _Segs.concat(parts)
+        self._buffer = Segments.concat(parts)
         c = self._counters
         c["max_buffered"] = max(c["max_buffered"], count)
         c["max_buffered_tokens"] = max(c["max_buffered_tokens"], self._buffered_tokens)
         return need
 
-    def _ingest(self, lens: np.ndarray, examples: list[Any] | None) -> _Segs:
+    def _ingest(self, lens: np.ndarray, examples: list[Any] | None) -> Segments:
         """Apply the overlong policy to examples leaving the source; returns their segments."""
         p0 = self._consumed
         limit = self._limit
@@ -446,12 +448,10 @@ class StreamingBatcher:
                 f"the example at stream position {p0 + bad} has {int(lens[bad])} tokens, more than "
                 f"{self._setting}={limit}. Raise {self._setting}=, or choose overlong='truncate', 'split' or 'drop'."
             )
-        segs = apply_overlong(lens, limit, self._policy, self._setting)
+        segs, o = apply_overlong(lens, limit, self._policy, self._setting)
         skip = self._no_target(lens, examples, p0)  # (k,) bool or None
         if skip is not None:
-            keep = ~skip[segs.example_ids]
-            segs = type(segs)(segs.example_ids[keep], segs.starts[keep], segs.lengths[keep], segs.overlong)
-        o = segs.overlong
+            segs = segs.take(~skip[segs.example])
         c = self._counters
         c["num_examples"] += lens.shape[0]
         c["num_over_limit"] += o.num_over_limit
@@ -462,10 +462,10 @@ class StreamingBatcher:
         c["dropped_tokens"] += o.dropped_tokens
         self._consumed += lens.shape[0]
         if examples is not None:
-            refs = np.bincount(segs.example_ids, minlength=lens.shape[0])
+            refs = np.bincount(segs.example, minlength=lens.shape[0])
             for i in np.flatnonzero(refs).tolist():
                 self._examples[p0 + i] = [examples[i], int(refs[i])]
-        return _Segs(segs.example_ids + p0, segs.starts, segs.lengths, lens[segs.example_ids])
+        return Segments(segs.example + p0, segs.start, segs.length, lens[segs.example])
 
     def _no_target(self, lens: np.ndarray, examples: list[Any] | None, p0: int) -> np.ndarray | None:
         """(k,) True for examples with no tokens or no target token; counted, warned about once, or refused."""
@@ -507,37 +507,39 @@ class StreamingBatcher:
             room = Room(max(0, min(bc // 2, bc - need[0])), max(0, min(bt // 2, bt - need[1])))
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, self._epoch, self._rounds]))
         tuning = Tuning(self.min_row_fill, self.reserve)
-        cut = self.spec.plan_round(buf.seg_lengths, rng, room, tuning)
+        cut = self.spec.plan_round(buf.length, rng, room, tuning)
+        batches = cut.batches
         if self._rounds == 0 and self.spec.leads_with_costliest():
             # The first round's costliest batch first: the whole stream is never in view, and the
             # first buffer is a fair sample of it, enough to fail at step 1 on a budget that cannot fit.
-            cut = lead_with_costliest(self.spec, buf.seg_lengths, cut)
+            batches = lead_with_costliest(self.spec, batches, buf.length)
         self._rounds += 1
-        em = _Emission(buf.take(cut.order), cut.row_offsets, cut.batch_offsets, cut.batch_width)
+        order, laid = batches.laid_out()
+        em = Emission(buf if order is None else buf.take(order), laid)
         self._buffer = buf.take(cut.keep)
-        self._buffered_tokens = int(self._buffer.seg_lengths.sum())
+        self._buffered_tokens = int(self._buffer.length.sum())
         c = self._counters
         if cut.drop.size:
             dropped = buf.take(cut.drop)
-            ids = np.unique(dropped.ids)
+            ids = np.unique(dropped.example)
             c["num_dropped"] += ids.shape[0]
-            c["dropped_tokens"] += int(dropped.seg_lengths.sum())
+            c["dropped_tokens"] += int(dropped.length.sum())
             for pos in ids.tolist():
                 self._examples.pop(pos, None)
-        c["num_segments"] += em.segs.ids.shape[0]
+        c["num_segments"] += em.segs.num_segments
         c["num_batches"] += em.num_batches
-        c["num_rows"] += em.row_offsets.shape[0] - 1
-        c["real_tokens"] += int(em.segs.seg_lengths.sum())
-        c["token_slots"] += int((np.diff(em.batch_offsets) * em.batch_width).sum())
+        c["num_rows"] += em.num_rows
+        c["real_tokens"] += int(em.segs.length.sum())
+        c["token_slots"] += int((np.diff(laid.batch_offsets) * laid.width).sum())
         self._ready, self._ready_next = em, 0
         self._flushed = need is None
 
-    def _batch_maker(self, em: _Emission) -> Callable[[int], list[Any]]:
+    def _batch_maker(self, em: Emission) -> Callable[[int], list[Any]]:
         """A function from batch number to what iteration yields for it (see the class docstring)."""
         bounds, ids = em.bounds, em.ids
         if self._reader is not None and self._reader.kind == "examples":
-            starts, seg_lengths = em.segs.starts.tolist(), em.segs.seg_lengths.tolist()
-            cut = (em.segs.seg_lengths != em.segs.lengths).tolist()
+            starts, seg_lengths = em.segs.start.tolist(), em.segs.length.tolist()
+            cut = (em.segs.length != em.segs.example_length).tolist()
             store = self._examples
 
             def examples(b: int) -> list[Any]:
@@ -561,16 +563,16 @@ class StreamingBatcher:
                 return out
 
             return examples
-        cut = np.flatnonzero(em.segs.seg_lengths != em.segs.lengths)
+        cut = np.flatnonzero(em.segs.length != em.segs.example_length)
         if cut.size:
             # Keys of the segments the overlong policy cut; whole examples stay plain positions.
             ids = list(ids)
             segs = em.segs
             for j, e, s, n in zip(
                 cut.tolist(),
-                segs.ids[cut].tolist(),
-                segs.starts[cut].tolist(),
-                segs.seg_lengths[cut].tolist(),
+                segs.example[cut].tolist(),
+                segs.start[cut].tolist(),
+                segs.length[cut].tolist(),
                 strict=True,
             ):
                 ids[j] = Segment(e, s, n)

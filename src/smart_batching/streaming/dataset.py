@@ -14,8 +14,8 @@ from smart_batching.distributed import World
 from smart_batching.errors import ConfigError
 from smart_batching.plan import Segment
 from smart_batching.planners import make_spec
+from smart_batching.streaming._buffer import _END
 from smart_batching.streaming._reader import _is_opener
-from smart_batching.streaming._rounds import _END
 from smart_batching.streaming._stats import _non_negative
 from smart_batching.streaming.batcher import StreamingBatcher
 

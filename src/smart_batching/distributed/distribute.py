@@ -1,5 +1,8 @@
 """Balanced distributed plans: every rank gets an equal share of work at every optimizer step.
 
+A micro-batch is what one rank runs in one forward/backward pass; ``accum_steps`` of them make its part
+of an optimizer step.
+
 An optimizer step on ``world_size`` ranks with ``accum_steps`` gradient-accumulation micro-batches
 consumes ``G = world_size * accum_steps`` micro-batches. The slowest rank sets the pace of every
 all-reduce, so the micro-batches of one step are chosen together:
@@ -22,7 +25,7 @@ all-reduce, so the micro-batches of one step are chosen together:
    (:func:`~smart_batching.distributed._reform.reform_uneven`): still every example once, no empty
    micro-batch, the same step count on every rank: as many steps as before, or (``max_extra_steps``) a
    few more where long examples that fill a token budget alone leave their steps light (LIMA, token
-   budget 8192: 49 steps become 52 on 2 ranks).
+   budget 8192: a few more steps on 2 ranks).
 6. The order of steps is shuffled (seeded): every rank computes the same plan with no communication.
 7. The costliest step first, where the strategy's single-process plan has the rule
    (:meth:`~smart_batching.planners.PlannerSpec.leads_with_costliest`: ``group_by_length`` always,
@@ -34,27 +37,22 @@ all-reduce, so the micro-batches of one step are chosen together:
 
 Cost: the vectorised deal is O(B log B) over B micro-batches; the loops over one step's segments (the
 tail's deal, re-dealing, re-forming) pick the cheapest rank through heaps (compiled where they deal a
-whole step), so they grow as segments x log(world_size), not segments x world_size. 10M examples
-resampled from LIMA, packed at 4,096, on 1,024 ranks x 4 micro-batches: 1.4 s here (115 s before the
-heaps), max/mean 1.010; ``benchmarks/distributed_balance.py --scale`` prints world sizes 8 to 4,096.
-
-Measured (``benchmarks/distributed_balance.py``; SmolLM2 lengths, batch size 8, 2 and 4 ranks): max over
-steps of max/mean rank tokens at most 1.013 for every strategy on GSM8K and on LIMA, against 1.2-1.8
-for HF ``group_by_length`` and 1.1-1.9 for round-robin packing. Planning 1M examples on 8 ranks takes
-under 0.1 s, about 5 s for a token budget whose longest examples fill a micro-batch alone.
+whole step), so they grow as segments x log(world_size), not segments x world_size.
+``benchmarks/distributed_balance.py`` measures the balance against HF ``group_by_length`` and
+round-robin packing, and (``--scale``) the planning time at world sizes 8 to 4,096.
 
 When it cannot be even: a step whose costliest example costs more than the mean rank cost of that
 step (``max/mean ≥ world_size · c_max / Σ c``), e.g. one example longer than all the others together,
 or fewer examples than micro-batches in a step (an empty slot, as above). On 8 ranks with a token
 budget under twice LIMA's longest examples, steps of such lone examples stay up to 5 % uneven.
 
-Topology is an explicit value, :class:`World`, read from ``torch.distributed`` in :meth:`World.detect`
-only; everything else is a pure function of (plan, world, accum_steps, cost, seed).
+Topology is an explicit value, :class:`~smart_batching.distributed.World`, read from
+``torch.distributed`` in one place (:mod:`.world`); everything here is a pure function of (plan,
+world size, accum_steps, cost, seed).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -62,7 +60,6 @@ import numpy as np
 
 from smart_batching.distributed._balance import (
     BALANCE_TOLERANCE,
-    UnitLimits,
     balance_step,
     halve_units,
     lpt_pieces,
@@ -70,62 +67,14 @@ from smart_batching.distributed._balance import (
 )
 from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
-from smart_batching.plan import BatchPlan
-from smart_batching.planners._common import costliest_batch
-from smart_batching.planners._spec import BatchShapes
+from smart_batching.plan import Batches, BatchPlan, BatchShapes, block_positions, costliest, offsets_of
+from smart_batching.planners._spec import MicroBatchLimits
 
 COSTS = ("tokens", "attention", "slots")
 
 
-@dataclass(frozen=True)
-class World:
-    """Where this process sits: ``rank`` in ``0..world_size-1``."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"World: world_size= must be ≥ 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"World: rank= must be in 0..{self.world_size - 1}, got {self.rank}")
-
-    @classmethod
-    def detect(cls) -> World:
-        """The one place topology is read: ``torch.distributed`` if initialised, else the launcher's
-        ``RANK``/``WORLD_SIZE`` environment, else a single process."""
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                return cls(dist.get_rank(), dist.get_world_size())
-        except ImportError:  # pragma: no cover - torch is an optional dependency here
-            pass
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
-
-
-def shutdown() -> None:
-    """Destroy the default ``torch.distributed`` process group, if one is up; call it at the end of a
-    multi-process script, after the last collective and after dropping the DDP/FSDP model (or trainer).
-
-    A gloo process group left to interpreter exit can abort the process (``terminate called without an
-    active exception``, SIGABRT; pytorch/pytorch#190489): its worker threads still hold tensors when
-    Python tears down. A DDP model keeps the group alive through its reducer, so it must go first;
-    garbage is collected here so that dropped models are really gone.
-    """
-    import gc
-
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is an optional dependency here
-        return
-    gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def unit_costs(plan: BatchPlan, cost: str = "tokens") -> np.ndarray:
-    """Cost of each micro-batch of ``plan``: (num_batches,) int64."""
+def micro_batch_costs(plan: BatchPlan, cost: str = "tokens") -> np.ndarray:
+    """Cost of each batch of ``plan`` run as one micro-batch: (num_batches,) int64."""
     if cost == "tokens":
         return plan.tokens_per_batch.astype(np.int64)
     if cost == "slots":
@@ -133,9 +82,13 @@ def unit_costs(plan: BatchPlan, cost: str = "tokens") -> np.ndarray:
     if cost == "attention":
         sq = plan.seg_lengths.astype(np.int64) ** 2
         csum = np.concatenate([[0], np.cumsum(sq)])
-        bounds = plan.row_offsets[plan.batch_offsets]
+        bounds = plan.batch_bounds
         return csum[bounds[1:]] - csum[bounds[:-1]]
     raise ConfigError(f"cost= must be one of {', '.join(COSTS)}; got {cost!r}")
+
+
+unit_costs = micro_batch_costs
+"""The former name of :func:`micro_batch_costs`."""
 
 
 def _segment_costs(plan: BatchPlan, cost: str) -> np.ndarray:
@@ -143,7 +96,7 @@ def _segment_costs(plan: BatchPlan, cost: str) -> np.ndarray:
         return plan.seg_lengths.astype(np.int64) ** 2
     if cost == "slots":
         # A padded row costs the batch width; a packed segment its share of the row.
-        seg_batch = np.repeat(np.arange(len(plan)), np.diff(plan.row_offsets[plan.batch_offsets]))
+        seg_batch = np.repeat(np.arange(len(plan)), plan.segments_per_batch)
         return plan.batch_width[seg_batch].astype(np.int64) if plan.capacity is None else plan.seg_lengths
     return plan.seg_lengths.astype(np.int64)
 
@@ -152,20 +105,23 @@ def _segment_costs(plan: BatchPlan, cost: str) -> np.ndarray:
 class DistributedPlan:
     """A base plan dealt to ranks, step-major.
 
-    A unit is one micro-batch: ``segment_order[unit_start[u]:unit_end[u]]`` are positions in the flat
-    segment arrays of ``base`` (after splitting and balancing). ``assignment[s, r, a]`` is the
-    unit that rank ``r`` runs as micro-batch ``a`` of step ``s``, or -1 for an empty slot.
+    Micro-batch ``m`` is ``segment_order[micro_batch_start[m]:micro_batch_end[m]]``: positions in the
+    flat segment arrays of ``base`` (after splitting and balancing; the phases of :func:`distribute`
+    append re-formed micro-batches to one order, so the ranges are not consecutive, see
+    :attr:`micro_batches` for them as one :class:`~smart_batching.plan.Batches` value).
+    ``assignment[s, r, a]`` is the micro-batch that rank ``r`` runs as micro-batch ``a`` of step ``s``,
+    or -1 for an empty slot.
     """
 
     base: BatchPlan
     world_size: int
     accum_steps: int
     cost: str
-    segment_order: np.ndarray  # positions into base's flat segment arrays; units are ranges of it
-    unit_start: np.ndarray  # (num_units,) into segment_order
-    unit_end: np.ndarray  # (num_units,)
+    segment_order: np.ndarray  # positions into base's flat segment arrays; micro-batches are ranges of it
+    micro_batch_start: np.ndarray  # (num_micro_batches,) into segment_order
+    micro_batch_end: np.ndarray  # (num_micro_batches,)
     assignment: np.ndarray  # (num_steps, world_size, accum_steps) int64
-    unit_cost: np.ndarray  # (num_units,) int64
+    micro_batch_cost: np.ndarray  # (num_micro_batches,) int64
 
     @property
     def num_steps(self) -> int:
@@ -175,21 +131,44 @@ class DistributedPlan:
     def num_empty_slots(self) -> int:
         return int(np.count_nonzero(self.assignment < 0))
 
-    def unit_segments(self, unit: int) -> np.ndarray:
-        """Positions in ``base``'s flat segment arrays of one micro-batch."""
-        return self.segment_order[self.unit_start[unit] : self.unit_end[unit]]
+    def micro_batch_segments(self, m: int) -> np.ndarray:
+        """Positions in ``base``'s flat segment arrays of micro-batch ``m``."""
+        return self.segment_order[self.micro_batch_start[m] : self.micro_batch_end[m]]
 
-    def unit_examples(self, unit: int) -> np.ndarray:
-        return self.base.example_ids[self.unit_segments(unit)]
+    def micro_batch_examples(self, m: int) -> np.ndarray:
+        return self.base.example_ids[self.micro_batch_segments(m)]
 
-    def rank_units(self, rank: int) -> np.ndarray:
-        """Units rank ``rank`` runs, in order: (num_steps * accum_steps,), -1 for an empty slot."""
+    def rank_micro_batches(self, rank: int) -> np.ndarray:
+        """Micro-batches rank ``rank`` runs, in order: (num_steps * accum_steps,), -1 for an empty slot."""
         return self.assignment[:, rank, :].reshape(-1)
+
+    @cached_property
+    def micro_batches(self) -> Batches:
+        """Every micro-batch as the one batch value over ``base``'s segments: batch ``m`` is micro-batch
+        ``m`` (``order`` positions of ``base``), one segment per row padded to its longest (or the
+        strategy's fixed width); where rows hold several examples the collator flattens a micro-batch
+        into one row of at most the strategy's capacity × rows."""
+        sizes = self.micro_batch_end - self.micro_batch_start
+        ranges = np.stack([self.micro_batch_start, self.micro_batch_end]).T.reshape(-1)
+        # Chunks 0, 2, 4, ... of the interleaved bounds are the micro-batches (odd ones: the gaps).
+        order = self.segment_order[block_positions(ranges, np.arange(0, 2 * sizes.shape[0], 2))]
+        offsets = offsets_of(sizes)
+        spec = self.base.spec
+        limits = spec.micro_batch_limits()
+        if spec.packs_rows and limits.capacity is not None:
+            width = np.full(sizes.shape[0], limits.capacity * limits.rows_per_micro_batch, dtype=np.int64)
+            return Batches(np.arange(sizes.shape[0] + 1, dtype=np.int64), width, offsets, order)
+        fixed = spec.fixed_width(int(self.base.lengths.max(initial=0)))
+        if fixed is not None:
+            width = np.full(sizes.shape[0], fixed, dtype=np.int64)
+        else:
+            width = BatchShapes(sizes, None, self.base.seg_lengths[order], offsets[:-1], offsets[1:]).longest
+        return Batches(offsets, width, order=order)
 
     @cached_property
     def rank_cost(self) -> np.ndarray:
         """(num_steps, world_size) cost each rank carries at each step."""
-        costs = np.where(self.assignment >= 0, self.unit_cost[np.maximum(self.assignment, 0)], 0)
+        costs = np.where(self.assignment >= 0, self.micro_batch_cost[np.maximum(self.assignment, 0)], 0)
         return costs.sum(axis=2)
 
     @cached_property
@@ -209,6 +188,23 @@ class DistributedPlan:
         busy = rc.sum()
         total = (rc.max(axis=1) * self.world_size).sum()
         return float(1.0 - busy / total) if total else 0.0
+
+    # The former names ("unit" now means an example or document only; bench/ and benchmarks/ read them).
+    unit_segments = micro_batch_segments
+    unit_examples = micro_batch_examples
+    rank_units = rank_micro_batches
+
+    @property
+    def unit_start(self) -> np.ndarray:
+        return self.micro_batch_start
+
+    @property
+    def unit_end(self) -> np.ndarray:
+        return self.micro_batch_end
+
+    @property
+    def unit_cost(self) -> np.ndarray:
+        return self.micro_batch_cost
 
 
 def distribute(
@@ -237,10 +233,10 @@ def distribute(
             more than ``ceil(num_batches / G)`` steps.
 
     Returns:
-        The distributed plan; each rank reads its units with :meth:`DistributedPlan.rank_units`.
+        The distributed plan; each rank reads its micro-batches with :meth:`DistributedPlan.rank_micro_batches`.
 
-    Phases (each a function below, with a drawn example): :func:`_cost_units` (every micro-batch of
-    the plan a unit, with its cost), :func:`_deal_tail` (units by cost in whole steps of
+    Phases (each a function below, with a drawn example): :func:`_cost_micro_batches` (every micro-batch of
+    the plan, with its cost), :func:`_deal_tail` (micro-batches by cost in whole steps of
     ``G = world_size × accum_steps``; the ragged tail dealt again), :func:`_snake_deal` (each step's
     slots to ranks), :func:`_balance_uneven` and :func:`_reform_uneven` (steps still uneven, see
     :mod:`._tuning` for the thresholds), :func:`_shuffle_steps`, :func:`_costliest_first`.
@@ -251,19 +247,19 @@ def distribute(
         raise ConfigError(f"cost= must be one of {', '.join(COSTS)}; got {cost!r}")
     group = world_size * accum_steps
     seg_cost = _segment_costs(plan, cost)
-    limits = UnitLimits.of(plan)
-    units = _cost_units(plan, seg_cost)
-    by_cost = _deal_tail(units, group, seg_cost, plan.seg_lengths, limits)
+    limits = plan.spec.micro_batch_limits()
+    mbs = _cost_micro_batches(plan, seg_cost)
+    by_cost = _deal_tail(mbs, group, seg_cost, plan.seg_lengths, limits)
     assignment = _snake_deal(by_cost, world_size, accum_steps)
-    if world_size > 1 and units.start.shape[0] and balance_rounds:
-        _balance_uneven(assignment, units, seg_cost, plan.seg_lengths, limits, balance_rounds)
+    if world_size > 1 and mbs.start.shape[0] and balance_rounds:
+        _balance_uneven(assignment, mbs, seg_cost, plan.seg_lengths, limits, balance_rounds)
         reformer = Reformer(seg_cost, plan.seg_lengths, limits, world_size, accum_steps, cost, balance_rounds)
-        assignment = _reform_uneven(assignment, units, seg_cost, reformer, max_extra_steps)
+        assignment = _reform_uneven(assignment, mbs, seg_cost, reformer, max_extra_steps)
     assignment = _shuffle_steps(assignment, seed, plan.epoch)
     if plan.spec.leads_with_costliest():
-        assignment = _costliest_first(assignment, units, plan)
+        assignment = _costliest_first(assignment, mbs, plan)
     return DistributedPlan(
-        plan, world_size, accum_steps, cost, units.order, units.start, units.end, assignment, units.costs
+        plan, world_size, accum_steps, cost, mbs.order, mbs.start, mbs.end, assignment, mbs.costs
     )
 
 
@@ -273,20 +269,21 @@ def distribute(
 
 
 @dataclass
-class _Units:
-    """Micro-batches as ranges of one flat segment order; phases that re-form units append their new
-    segment arrays to ``pending`` (one concatenation per phase, not per unit) and point the units there."""
+class _MicroBatches:
+    """The micro-batches being dealt, as ranges of one flat segment order: phases that re-form
+    micro-batches append their new segment arrays (one concatenation per phase, not per micro-batch)
+    and point the ranges there."""
 
-    order: np.ndarray  # positions into the base plan's segments; unit u is order[start[u]:end[u]]
-    start: np.ndarray  # (num_units,)
-    end: np.ndarray  # (num_units,)
-    costs: np.ndarray  # (num_units,)
+    order: np.ndarray  # positions into the base plan's segments; micro-batch m is order[start[m]:end[m]]
+    start: np.ndarray  # (num_micro_batches,)
+    end: np.ndarray  # (num_micro_batches,)
+    costs: np.ndarray  # (num_micro_batches,)
 
     def segments(self, u: int) -> np.ndarray:
         return self.order[self.start[u] : self.end[u]]
 
     def add(self, loads: list[np.ndarray], seg_cost: np.ndarray) -> np.ndarray:
-        """Append new units holding ``loads`` (segment arrays); returns their ids."""
+        """Append new micro-batches holding ``loads`` (segment arrays); returns their ids."""
         sizes = np.array([len(x) for x in loads], dtype=np.int64)
         starts = self.order.shape[0] + np.concatenate([[0], np.cumsum(sizes)[:-1]])
         first = self.start.shape[0]
@@ -297,42 +294,43 @@ class _Units:
         return np.arange(first, first + len(loads))
 
 
-def _cost_units(plan: BatchPlan, seg_cost: np.ndarray) -> _Units:
-    """Phase 1: every micro-batch of the base plan is a unit, costed as the sum of its segments::
+def _cost_micro_batches(plan: BatchPlan, seg_cost: np.ndarray) -> _MicroBatches:
+    """Phase 1: every batch of the base plan is a micro-batch, costed as the sum of its segments::
 
-    batches   [a b] [c] [d e f]     ->  units 0, 1, 2 over order = [a b c d e f]
+    batches   [a b] [c] [d e f]     ->  micro-batches 0, 1, 2 over order = [a b c d e f]
     costs      5+3   9   2+2+1          costs = [8, 9, 5]
     """
     offsets = plan.row_offsets[plan.batch_offsets].astype(np.int64)
     order = np.arange(plan.num_segments, dtype=np.int64)
     costs = np.add.reduceat(seg_cost, offsets[:-1]) if len(offsets) > 1 else np.zeros(0, np.int64)
-    return _Units(order, offsets[:-1].copy(), offsets[1:].copy(), costs)
+    return _MicroBatches(order, offsets[:-1].copy(), offsets[1:].copy(), costs)
 
 
 def _deal_tail(
-    units: _Units, group: int, seg_cost: np.ndarray, seg_len: np.ndarray, limits: UnitLimits
+    mbs: _MicroBatches, group: int, seg_cost: np.ndarray, seg_len: np.ndarray, limits: MicroBatchLimits
 ) -> np.ndarray:
-    """Phase 2: units by cost, costliest first, in whole steps of ``G`` slots. The ragged tail (the
-    ``B mod G`` cheapest units and the step before them, more while they hold too few segments) is
-    pooled and dealt again, costliest segment first, into a multiple of ``G`` new units: nothing
-    dropped, no work added. Returns the unit ids in slot order (-1: an empty slot)::
+    """Phase 2: micro-batches by cost, costliest first, in whole steps of ``G`` slots. The ragged tail
+    (the ``B mod G`` cheapest micro-batches and the step before them, more while they hold too few
+    segments) is pooled and dealt again, costliest segment first, into a multiple of ``G`` new
+    micro-batches: nothing dropped, no work added. Returns the micro-batch ids in slot order (-1: an
+    empty slot)::
 
-        G = 4, units by cost   u7 u2 u5 u0 | u3 u1 u6 u4 | u8 u9         (B = 10, tail m = 2)
+        G = 4, by cost         u7 u2 u5 u0 | u3 u1 u6 u4 | u8 u9         (B = 10, tail m = 2)
         pooled and re-dealt                 [u3 u1 u6 u4 u8 u9] -> n0..n7 (8 pieces, 2 whole steps)
         slot order             u7 u2 u5 u0 | n0 n1 n2 n3 | n4 n5 n6 n7
     """
-    by_cost = np.argsort(-units.costs, kind="stable")  # (num_units,) costliest first
+    by_cost = np.argsort(-mbs.costs, kind="stable")  # (num_micro_batches,) costliest first
     num_base = by_cost.shape[0]
     m = num_base % group
     if not m:
         return by_cost
     take = m + group
-    sizes_all = units.end - units.start
+    sizes_all = mbs.end - mbs.start
     # Grow the pool by whole steps until it holds more segments than slots (single huge examples).
     while take < num_base and sizes_all[by_cost[num_base - take :]].sum() <= -(-take // group) * group:
         take += group
     tail = by_cost[max(0, num_base - take) :]
-    pool = np.concatenate([units.segments(u) for u in tail.tolist()])
+    pool = np.concatenate([mbs.segments(u) for u in tail.tolist()])
     # As many pieces (a multiple of G) as keep the costliest segment from dominating a piece.
     biggest = int(seg_cost[pool].max(initial=1)) or 1
     fit = min(pool.shape[0], int(seg_cost[pool].sum()) // biggest)
@@ -340,14 +338,14 @@ def _deal_tail(
     num_pieces = min(num_pieces, -(-tail.shape[0] // group) * group)
     dealt = lpt_pieces(pool, seg_cost, seg_len, num_pieces, limits)
     if dealt is None or min(len(p) for p in dealt) == 0:
-        # Indivisible or over-limit: cut the costliest splittable units of the pool in two instead.
-        dealt = halve_units([list(units.segments(u)) for u in tail.tolist()], seg_cost, group)
+        # Indivisible or over-limit: cut the costliest splittable micro-batches of the pool in two instead.
+        dealt = halve_units([list(mbs.segments(u)) for u in tail.tolist()], seg_cost, group)
     if dealt is None:
         return by_cost
     keep = by_cost[: num_base - tail.shape[0]]
     sizes = np.array([len(p) for p in dealt], dtype=np.int64)
-    new_ids = units.add([np.asarray(p, dtype=np.int64) for p in dealt], seg_cost)
-    rank = np.argsort(-units.costs[new_ids], kind="stable")
+    new_ids = mbs.add([np.asarray(p, dtype=np.int64) for p in dealt], seg_cost)
+    rank = np.argsort(-mbs.costs[new_ids], kind="stable")
     # An empty piece (fewer segments than slots) is an empty slot: -1.
     return np.concatenate([keep, np.where(sizes[rank] > 0, new_ids[rank], -1)])
 
@@ -380,10 +378,10 @@ def _rank_costs(assignment: np.ndarray, costs: np.ndarray) -> np.ndarray:
 
 def _balance_uneven(
     assignment: np.ndarray,
-    units: _Units,
+    mbs: _MicroBatches,
     seg_cost: np.ndarray,
     seg_len: np.ndarray,
-    limits: UnitLimits,
+    limits: MicroBatchLimits,
     balance_rounds: int,
 ) -> None:
     """Phase 4, in place: steps more than :data:`~._tuning.BALANCE_TOLERANCE` uneven get their
@@ -393,29 +391,29 @@ def _balance_uneven(
 
         rank costs   [120, 80]   ->  move a 20-token segment   ->  [100, 100]
     """
-    rc = _rank_costs(assignment, units.costs)
+    rc = _rank_costs(assignment, mbs.costs)
     uneven = np.flatnonzero(rc.max(axis=1) > BALANCE_TOLERANCE * np.maximum(rc.mean(axis=1), 1))
-    pieces: list[np.ndarray] = [units.order]
-    appended = units.order.shape[0]
+    pieces: list[np.ndarray] = [mbs.order]
+    appended = mbs.order.shape[0]
     for s in uneven.tolist():
         step = assignment[s]
-        members = {int(u): list(units.segments(u)) for u in step.ravel() if u >= 0}
+        members = {int(u): list(mbs.segments(u)) for u in step.ravel() if u >= 0}
         changed = repartition_step(step, members, seg_cost, seg_len, limits)
         changed |= balance_step(step, members, seg_cost, seg_len, limits, balance_rounds)
         if changed:
             for u, segs in members.items():
                 arr = np.asarray(segs, dtype=np.int64)
-                units.start[u], units.end[u] = appended, appended + arr.shape[0]
+                mbs.start[u], mbs.end[u] = appended, appended + arr.shape[0]
                 appended += arr.shape[0]
-                units.costs[u] = int(seg_cost[arr].sum()) if arr.size else 0
+                mbs.costs[u] = int(seg_cost[arr].sum()) if arr.size else 0
                 pieces.append(arr)
     if len(pieces) > 1:
-        units.order = np.concatenate(pieces)
+        mbs.order = np.concatenate(pieces)
 
 
 def _reform_uneven(
     assignment: np.ndarray,
-    units: _Units,
+    mbs: _MicroBatches,
     seg_cost: np.ndarray,
     reformer: Reformer,
     max_extra_steps: int | None,
@@ -427,20 +425,20 @@ def _reform_uneven(
 
         steps   s4 [300, 100]  s5 [160, 150]   ->  dissolved together  ->  [205, 205] [200, 200]
     """
-    rc = _rank_costs(assignment, units.costs)
+    rc = _rank_costs(assignment, mbs.costs)
     imbalance = rc.max(axis=1) / np.maximum(rc.mean(axis=1), 1e-9)
     uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
     if not uneven.size:
         return assignment
     found = reform_uneven(
-        assignment, units.segments, uneven, reformer, imbalance, max_extra_steps,
-        unit_max_costs(seg_cost, units.order, units.start, units.end),
+        assignment, mbs.segments, uneven, reformer, imbalance, max_extra_steps,
+        unit_max_costs(seg_cost, mbs.order, mbs.start, mbs.end),
     )  # fmt: skip
     if found is None:
         return assignment
     dissolved, new_steps = found
     loads = [mb.segs for step in new_steps for load in step for mb in load]
-    ids = units.add([np.asarray(mb, dtype=np.int64) for mb in loads], seg_cost)
+    ids = mbs.add([np.asarray(mb, dtype=np.int64) for mb in loads], seg_cost)
     kept = np.ones(assignment.shape[0], dtype=bool)
     kept[dissolved] = False
     return np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
@@ -454,7 +452,7 @@ def _shuffle_steps(assignment: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     return assignment[rng.permutation(num_steps)]
 
 
-def _costliest_first(assignment: np.ndarray, units: _Units, plan: BatchPlan) -> np.ndarray:
+def _costliest_first(assignment: np.ndarray, mbs: _MicroBatches, plan: BatchPlan) -> np.ndarray:
     """Phase 7, in place: the step holding the costliest micro-batch (as the spec ranks them,
     :meth:`~smart_batching.planners.PlannerSpec.costliest_keys`: the largest footprint, ties to the
     longest segment; ``group_by_length`` the longest segment; then the first slot) is swapped with
@@ -469,15 +467,13 @@ def _costliest_first(assignment: np.ndarray, units: _Units, plan: BatchPlan) -> 
     slots = np.flatnonzero(flat >= 0)
     if slots.size == 0:
         return assignment
-    ids = flat[slots]  # (num_filled,) units in slot order
-    starts, ends = units.start[ids], units.end[ids]
+    ids = flat[slots]  # (num_filled,) micro-batches in slot order
+    starts, ends = mbs.start[ids], mbs.end[ids]
     spec = plan.spec
     fixed = spec.fixed_width(int(plan.lengths.max(initial=0)))
     width = None if fixed is None else np.full(ids.shape[0], fixed, dtype=np.int64)
     # One segment per row where rows are padded (packed rows are measured by their tokens).
-    shapes = BatchShapes(ends - starts, width, plan.seg_lengths[units.order], starts, ends)
-    key, tie_break = spec.costliest_keys(shapes)
-    best = costliest_batch(np.asarray(key), np.asarray(tie_break))
+    best = costliest(spec, BatchShapes(ends - starts, width, plan.seg_lengths[mbs.order], starts, ends))
     step, rank, micro = np.unravel_index(int(slots[best]), assignment.shape)
     assignment[[0, step]] = assignment[[step, 0]]
     assignment[0, rank, [0, micro]] = assignment[0, rank, [micro, 0]]
