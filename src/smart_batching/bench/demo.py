@@ -124,8 +124,10 @@ def run_demo_bench(
     start = time.perf_counter()
     # One load for both benches (SmolLM2: seconds from the cache, about 30 s the first time).
     if progress:
-        print(f"loading model {config.model} (the first time, SmolLM2's GGUF file is converted: about 30 s) ...",
-              file=sys.stderr, flush=True)  # fmt: skip
+        first = (
+            " (the first time, its GGUF file is converted: about 30 s)" if config.model == "smollm2" else ""
+        )
+        print(f"loading model {config.model}{first} ...", file=sys.stderr, flush=True)
     model = load_training_model(
         config.model,
         tokenizer=config.tokenizer,
@@ -226,6 +228,8 @@ def rest_command(config: BenchConfig = DEMO_CONFIG, out: str = "out/demo/rest") 
     """The ``smart-batching bench`` command that runs the strategies the demo leaves out, with its settings."""
     rest = [s for s in STRATEGIES if s not in config.strategies]
     args = ["smart-batching", "bench", "--data", str(config.data), "--model", str(config.model)]
+    if isinstance(config.tokenizer, str):
+        args += ["--tokenizer", config.tokenizer]
     for key, value in (config.model_options or {}).items():
         args += ["--model-option", f"{key}={value}"]
     args += ["--strategies", ",".join([BASELINE_STRATEGY, *rest])]
@@ -286,7 +290,7 @@ def demo_lead(
     doc.ul(
         [
             "`speed-up`: one-process `random`'s wall time over the run's (every run trains the same tokens; the "
-            "multi-process run uses the same cores, one thread per process). `padding`: share of the token slots "
+            "multi-process run shares the same cores between its processes). `padding`: share of the token slots "
             "the model computed that were padding. `peak MB`: the largest process's peak memory.",
             "`held-out loss`: mean cross-entropy per target token on the held-out examples, of the initial weights "
             "and after the run; `change` in %. One seed: differences between strategies of about a percent are "
@@ -298,8 +302,9 @@ def demo_lead(
     doc.h(3, "What the model says, before and after")
     doc.p(
         "Held-out prompts, the same for every run; greedy decoding of the initial weights (`before fine-tuning`) "
-        "and of each run's trained weights. Fine-tuned, the model answers in the docstring style of the training "
-        "data; the strategies should agree in kind: only the batching differed."
+        "and of each run's trained weights, with the held-out docstring the data gives. Fine-tuning moves the "
+        "answers from a chat assistant's toward the training data's docstrings; the runs should agree in kind, "
+        "since only the batching differed."
     )
     for k, g in enumerate(generation_table(records)):
         doc.p(f"**Prompt {k + 1}:**")
