@@ -50,9 +50,9 @@ DEMO_CONFIG = BenchConfig(
     batch_size=8,
     max_length=64,
     lr=5e-4,
-    eval_examples=24,
+    eval_examples=16,
     num_generations=3,
-    max_new_tokens=24,
+    max_new_tokens=20,
     render=False,
 )
 """What the one-process demo bench runs (``out_dir``, ``progress`` and the loaded model are set per
