@@ -262,8 +262,9 @@ def _model_sentence(records: list[dict[str, Any]]) -> str:
     )
     trunc = data.get("truncation") or {}
     return (
-        f"`{first.get('model')}` ({info.get('class')}), {what}; {data.get('num_train')} examples of {data.get('source')} "
-        f"truncated at {trunc.get('max_length')} tokens, {s.get('epochs')} epoch(s), batch_size {s.get('batch_size')}, "
+        f"`{first.get('model')}` ({info.get('class')}), {what}; {data.get('num_train')} training examples of "
+        f"`{data.get('source')}` truncated at {trunc.get('max_length')} tokens, {s.get('epochs')} epoch(s), batch_size "
+        f"{s.get('batch_size')}, "
         f"lr {s.get('lr')}; every run starts from the same weights and trains on the same examples. Held-out loss "
         f"on {data.get('num_eval')} examples; greedy generations of up to {s.get('max_new_tokens')} tokens."
     )
