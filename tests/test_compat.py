@@ -287,6 +287,48 @@ def test_trl_sft_trainer_metric_attributes_and_plain_nll(tmp_path):
     assert not compat.is_trl_sft_trainer(object())
 
 
+def test_trl_dpo_trainer_columns_collator_and_fused_head(tmp_path):
+    """What smart batching reads of TRL's DPOTrainer: the prepared columns (and the precomputed reference
+    columns), the trainer's attributes, its collator, the fused LM head that takes pre-shifted labels and
+    runs the backbone at ``base_model``, and the per-token fields it returns."""
+    trl = pytest.importorskip("trl")
+    import copy
+    from pathlib import Path
+
+    import datasets
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl_sft.py"
+    spec = importlib.util.spec_from_file_location("trl_sft_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tok = example.word_tokenizer()
+    model = example.tiny_llama(len(tok))
+    assert not compat.trl_fused_lm_head_takes_shift_labels(model)
+    data = datasets.Dataset.from_dict({"prompt": ["w1 w2"], "chosen": [" w3"], "rejected": [" w4 w5"]})
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, gradient_checkpointing=False, bf16=False,
+        precompute_ref_log_probs=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.DPOTrainer(
+        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data, processing_class=tok
+    )
+    assert compat.is_trl_dpo_trainer(trainer) and compat.is_trl_dpo_trainer(type(trainer))
+    assert not compat.is_trl_dpo_trainer(object()) and not compat.is_trl_dpo_trainer(trl.SFTTrainer)
+    assert compat.missing_trl_dpo_attributes(trainer) == [], "TRL's DPOTrainer attributes moved"
+    assert set(compat.TRL_DPO_COLUMNS) <= set(trainer.train_dataset.column_names)
+    assert compat.is_trl_preference_collator(trainer.data_collator)
+    assert not compat.is_trl_preference_collator(lambda f: f)
+    assert compat.trl_fused_lm_head_takes_shift_labels(trainer.model)
+    assert compat.trl_backbone(trainer.model) is trainer.model.model
+    assert not compat.is_peft_model(trainer.model)
+    # Pre-shifted labels are scored at every position of the backbone's output.
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = trainer.model(input_ids=ids, shift_labels=torch.tensor([[6, 7, 8, 9]]), fused_lm_head=True)
+    assert out.log_probs.shape == (1, 4)
+    for name in compat.TRL_FUSED_LM_HEAD_FIELDS:
+        assert hasattr(out, name), f"TRL's FusedCausalLMOutput has no {name}"
+
+
 def test_a_broken_check_raises_a_config_error_naming_the_version(monkeypatch):
     monkeypatch.setattr(compat, "missing_trainer_hooks", lambda: ["_run_epoch"])
     with pytest.raises(

@@ -29,6 +29,10 @@ Trainer's column removal                  :func:`remove_unused_columns`
 TRL's fused LM head (``SFTTrainer``)      :func:`has_trl_fused_lm_head`
 TRL ``SFTTrainer``'s loss and metrics     :func:`is_trl_sft_trainer`, :func:`trl_sft_loss_is_plain_nll`,
                                           :func:`log_trl_sft_metrics`
+TRL ``DPOTrainer``: columns, collator,    :data:`TRL_DPO_COLUMNS`, :func:`is_trl_dpo_trainer`,
+fused log-prob head, PEFT                 :func:`is_trl_preference_collator`, :data:`TRL_FUSED_LM_HEAD_FIELDS`,
+                                          :func:`trl_fused_lm_head_takes_shift_labels`,
+                                          :func:`trl_backbone`, :func:`is_peft_model`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 continuous batching (``generate_batch``)  :func:`has_generate_batch`, :func:`generate_batch`
 vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm_llm`, :func:`vllm_llm`,
@@ -534,3 +538,72 @@ def vllm_generate(
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     cached = [int(getattr(o, "num_cached_tokens", None) or 0) for o in outs]
     return tokens, cached
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL's DPOTrainer (1.16)
+# --------------------------------------------------------------------------------------------------
+
+TRL_DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
+"""Columns of a dataset ``DPOTrainer`` prepared: the pair's token ids, then the reference log-probabilities
+``precompute_ref_log_probs=True`` adds."""
+
+TRL_DPO_ATTRIBUTES = (
+    "ref_model",
+    "precompute_ref_logps",
+    "aux_loss_enabled",
+    "_is_vision_dataset",
+    "_metrics",
+)
+"""``DPOTrainer`` attributes smart batching reads."""
+
+TRL_FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""Per-token fields of TRL's ``FusedCausalLMOutput`` (``(rows, positions)``, 0 where the label is -100)."""
+
+
+def is_trl_dpo_trainer(trainer: Any) -> bool:
+    """``trainer`` is TRL's ``DPOTrainer``, a subclass or an instance of one; TRL is not imported if it is
+    not loaded."""
+    import sys
+
+    trl = sys.modules.get("trl")
+    dpo = getattr(trl, "DPOTrainer", None) if trl is not None else None
+    if dpo is None:
+        return False
+    return issubclass(trainer, dpo) if isinstance(trainer, type) else isinstance(trainer, dpo)
+
+
+def missing_trl_dpo_attributes(trainer: Any) -> list[str]:
+    """The :data:`TRL_DPO_ATTRIBUTES` a ``DPOTrainer`` instance lacks (none on TRL 1.16)."""
+    return [a for a in TRL_DPO_ATTRIBUTES if not hasattr(trainer, a)]
+
+
+def is_trl_preference_collator(collator: Any) -> bool:
+    """``collator`` is TRL's text ``DataCollatorForPreference`` (the one ``DPOTrainer`` builds)."""
+    cls = type(collator)
+    return cls.__name__ == "DataCollatorForPreference" and cls.__module__.startswith("trl.")
+
+
+def trl_fused_lm_head_takes_shift_labels(model: Any) -> bool:
+    """TRL's fused LM head (``add_fused_lm_head``) on ``model`` scores pre-shifted ``shift_labels`` at
+    every position of the backbone's output (TRL >= 1.13), which is how smart batching hands it only
+    the target positions."""
+    for forward in (getattr(model, "forward", None), vars(model).get("_original_forward")):
+        func = getattr(forward, "__func__", forward)
+        code = getattr(func, "__code__", None)
+        if code is not None:
+            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+            if "fused_lm_head" in names:
+                return "shift_labels" in names
+    return False
+
+
+def trl_backbone(model: Any) -> Any:
+    """The module TRL's fused LM head runs before projecting (``model.base_model`` on transformers 5),
+    whose ``last_hidden_state`` it scores."""
+    return model.base_model
+
+
+def is_peft_model(model: Any) -> bool:
+    """A PEFT-wrapped model (``peft_config`` attribute), without importing PEFT."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")

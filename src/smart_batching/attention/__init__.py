@@ -37,7 +37,8 @@ Use::
 
 Modules: ``_segments`` (segment plans from ``cu_seq_lens`` or ``position_ids``, cached), ``_kernels``
 (segment-wise SDPA and the CUDA varlen kernels), ``forward`` (the functions registered in
-transformers), ``guard`` (switching a model over, and refusing a model or batch that would leak).
+transformers), ``guard`` (switching a model over, and refusing a model or batch that would leak),
+``prefix_sharing`` (a prompt shared by several completions in one row: DPO pairs).
 """
 
 from smart_batching.attention._kernels import _segment_attention  # noqa: F401 (tests)
@@ -58,17 +59,25 @@ from smart_batching.attention.guard import (
     is_packed_batch,
     register_packed_attention,
 )
+from smart_batching.attention.prefix_sharing import (
+    PREFIX_SHARED_ATTENTION,
+    enable_prefix_shared_attention,
+    prefix_shared_attention_forward,
+)
 
 __all__ = [
     "PACKED_ATTENTION",
     "PACKED_ATTENTION_SDPA",
+    "PREFIX_SHARED_ATTENTION",
     "check_packed_batch",
     "enable_packed_attention",
+    "enable_prefix_shared_attention",
     "install_packed_guard",
     "is_packed_batch",
     "packed_attention_forward",
     "packed_attention_forward_sdpa",
     "packed_attention_mask",
+    "prefix_shared_attention_forward",
     "register_packed_attention",
     "segment_starts_from_position_ids",
 ]

@@ -65,6 +65,13 @@ class BenchConfig:
             ``eval_examples`` records.
         eval_examples: held-out examples for the eval loss (and accuracy).
         eval_batch_size: examples per padded eval batch.
+        eval_every: held-out loss during training (:mod:`~smart_batching.bench.curve`): every N optimizer
+            steps (``5``), every N real training tokens (``"20000tok"``), ``"auto"`` (evaluations
+            costing about a tenth of the training compute) or None (off: the curve has the initial and
+            the final evaluation, and one at each earlier epoch's end). Evaluation time is kept out of
+            the training clock. Needs ``nproc=1``.
+        target: held-out loss that time to target is measured to; None means ``random``'s final
+            held-out loss for the same seed (``random`` must then be among the strategies).
         num_generations: held-out prompts to generate for (GSM8K: the exact-match sample); None means 16
             for GSM8K, 4 for other text, 8 sample predictions for classification.
         max_new_tokens: greedy generation length in tokens; None means 256 for GSM8K, 48 otherwise.
@@ -106,6 +113,8 @@ class BenchConfig:
     eval_data: Any = None
     eval_examples: int = 64
     eval_batch_size: int = 8
+    eval_every: Any = None
+    target: float | None = None
     num_generations: int | None = None
     max_new_tokens: int | None = None
     out_dir: str | os.PathLike = "out/bench"
@@ -163,6 +172,17 @@ class BenchConfig:
                 raise ConfigError(f"BenchConfig: {name}= must be True or False, got {getattr(self, name)!r}")
         if self.model_options is not None and not isinstance(self.model_options, Mapping):
             raise ConfigError(f"BenchConfig: model_options= must be a dict, got {self.model_options!r}")
+        from smart_batching.bench.curve import parse_eval_every
+
+        parse_eval_every(self.eval_every)  # a malformed cadence fails here, naming the forms it takes
+        if self.eval_every not in (None, 0, "0", "off") and self.nproc > 1:
+            raise ConfigError(
+                "BenchConfig: eval_every= evaluates in the training process; it cannot be combined with nproc > 1"
+            )
+        if self.target is not None and (
+            isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not self.target > 0
+        ):
+            raise ConfigError(f"BenchConfig: target={self.target!r} must be a positive held-out loss or None")
         if self.nproc > 1 and self.callbacks:
             raise ConfigError(
                 "BenchConfig: callbacks= run in this process only; they cannot be combined with nproc > 1"

@@ -50,20 +50,35 @@ def eval_causal_lm(
 ) -> dict:
     """Mean cross-entropy per target token on ``dataset`` (``input_ids`` + ``prompt_length``).
 
+    The LM head runs only at the positions whose next token is a target (``logits_to_keep=``, as in
+    training) where the model's ``forward`` takes it: the same loss, without a ``(rows, tokens, vocab)``
+    logits tensor for prompts and padding (a 49,152-token vocabulary makes that the largest cost of a
+    small model's eval, and most of its memory).
+
     Returns:
         ``{"loss", "perplexity", "num_tokens", "num_examples"}``; loss in nats per target token.
     """
+    from smart_batching import compat
+    from smart_batching.loss import target_positions
+
     collate = PaddingCollator(pad_token_id)
+    keep_targets = compat.forward_accepts(model, "logits_to_keep")
     total = 0.0
     count = 0
     for _, rows in _batches(dataset, batch_size):
         batch = collate(rows)
         labels = batch.pop("labels").to(device)
         inputs = {k: v.to(device) for k, v in batch.items()}
-        logits = model(**inputs).logits.float()
         # Predict token t+1 from position t: shift as the causal-LM loss does.
-        logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-        target = labels[:, 1:].reshape(-1)
+        target = labels[:, 1:]
+        if keep_targets:
+            keep = target_positions(labels)  # (kept,) positions t with a target at t + 1
+            logits = model(**inputs, logits_to_keep=keep).logits
+            target = target[:, keep]
+        else:
+            logits = model(**inputs).logits[:, :-1]
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        target = target.reshape(-1)
         total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
         count += int((target != -100).sum())
     loss = total / count if count else float("nan")

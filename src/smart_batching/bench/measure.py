@@ -7,6 +7,8 @@
   clipping, optimizer; the batch is already collated) and each iteration (``on_step_end`` to the next:
   also data loading and collation). On CUDA it synchronises first, so the times are the GPU's.
 * :class:`LossRecorder` keeps the logged training loss of every step.
+* :class:`HeldOutCurve` evaluates the held-out loss at a cadence during training, off the clock
+  (:mod:`.curve`).
 * :class:`ProgressBar` is one tqdm bar per run, on stderr, with the current loss.
 * :func:`plan_randomness` measures how random the run's batches are, from its plans alone.
 """
@@ -135,6 +137,151 @@ class LossRecorder(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
 
+class HeldOutCurve(TrainerCallback):
+    """Evaluate at a cadence during training; the curve with training-only clocks (see the module doc).
+
+    Args:
+        evaluate: ``evaluate(model) -> {"loss": float, ...}`` on the fixed held-out set; it may put the
+            model in eval mode (and must put back any other change it makes), the callback puts it back
+            in training mode after.
+        every: the cadence (resolved: steps or tokens).
+        real_tokens: the per-batch real-token counts of the run, appended as batches are collated
+            (:class:`~.measure.CountingCollator`'s ``real_tokens``), read at each step's end.
+        examples: the per-batch example counts, likewise.
+        initial_loss: held-out loss of the initial weights (the point at step 0); None leaves it out.
+        epoch_ends: also evaluate at each epoch's end but the last (False: only at the cadence).
+    """
+
+    def __init__(
+        self,
+        evaluate: Callable[[Any], dict[str, Any]],
+        every: Any,
+        *,
+        real_tokens: Sequence[int],
+        examples: Sequence[int],
+        initial_loss: float | None = None,
+        epoch_ends: bool = True,
+    ) -> None:
+        self.evaluate = evaluate
+        self.epoch_ends = epoch_ends
+        self.every = every
+        self.real_tokens = real_tokens
+        self.examples = examples
+        self.points: list[dict[str, Any]] = []
+        if initial_loss is not None:
+            self.points.append(
+                {
+                    "step": 0,
+                    "tokens": 0,
+                    "examples": 0,
+                    "wall_seconds": 0.0,
+                    "cpu_seconds": 0.0,
+                    "epoch": 0.0,
+                    "loss": initial_loss,
+                }
+            )
+        self.eval_wall = 0.0
+        self.eval_cpu = 0.0
+        self._start: tuple[float, float] | None = None
+        self._next_tokens: int | None = None
+
+    def start(self) -> None:
+        """Start the clocks now (call it where the caller's own training clock starts, so the last
+        point and the run's ``wall_seconds`` agree); else they start at ``on_train_begin``."""
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._start is None:
+            self.start()
+        if self.every is not None and self.every.tokens is not None:
+            self._next_tokens = self.every.tokens
+
+    def clocks(self) -> tuple[float, float]:
+        """Training wall and CPU seconds since the start, evaluations left out."""
+        if self._start is None:
+            return 0.0, 0.0
+        wall = time.perf_counter() - self._start[0] - self.eval_wall
+        cpu = time.process_time() - self._start[1] - self.eval_cpu
+        return wall, cpu
+
+    def _due(self, step: int, tokens: int) -> bool:
+        if self.every is None:
+            return False
+        if self.every.steps is not None:
+            return step % self.every.steps == 0
+        if self._next_tokens is not None and tokens >= self._next_tokens:
+            while self._next_tokens <= tokens:
+                self._next_tokens += self.every.tokens  # type: ignore[operator]
+            return True
+        return False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        step = int(state.global_step)
+        # One collated batch per optimizer step (no gradient accumulation in the bench).
+        tokens = int(sum(self.real_tokens[:step]))
+        if model is None or not self._due(step, tokens) or step >= state.max_steps:
+            return  # the last step's point is the final evaluation, taken after training
+        self.add_point(model, step, tokens, int(sum(self.examples[:step])), epoch=float(state.epoch or 0.0))
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """A point at every epoch's end but the last (the final evaluation is that one), whatever the
+        cadence: the held-out loss of each epoch, for multi-epoch comparisons."""
+        step = int(state.global_step)
+        last = round(state.epoch or 0.0) >= round(float(args.num_train_epochs))
+        if (
+            model is None
+            or not self.epoch_ends
+            or last
+            or step >= state.max_steps
+            or (self.points and self.points[-1]["step"] == step)
+        ):
+            if self.points and self.points[-1]["step"] == step:
+                self.points[-1]["epoch"] = float(round(state.epoch or 0.0))
+            return
+        tokens = int(sum(self.real_tokens[:step]))
+        self.add_point(
+            model, step, tokens, int(sum(self.examples[:step])), epoch=float(round(state.epoch or 0.0))
+        )
+
+    def add_point(
+        self, model: Any, step: int, tokens: int, examples: int, *, epoch: float, loss: float | None = None
+    ) -> None:
+        """Evaluate now (or take ``loss`` as this point's value) and append the point (``epoch``: epochs
+        done, fractional mid-epoch)."""
+        wall, cpu = self.clocks()
+        if loss is None:
+            w0, c0 = time.perf_counter(), time.process_time()
+            was_training = bool(getattr(model, "training", False))
+            try:
+                result = self.evaluate(model)
+            finally:
+                if was_training:
+                    model.train()
+            self.eval_wall += time.perf_counter() - w0
+            self.eval_cpu += time.process_time() - c0
+            loss = float(result["loss"])
+            extra = {k: v for k, v in result.items() if k == "accuracy"}
+        else:
+            extra = {}
+        self.points.append(
+            {"step": step, "tokens": tokens, "examples": examples, "wall_seconds": wall, "cpu_seconds": cpu,
+             "epoch": round(epoch, 4), "loss": loss, **extra}
+        )  # fmt: skip
+
+    def curve(self) -> dict[str, Any]:
+        """The points as columns (see the module docstring), with the evaluation time beside them."""
+        keys = ["step", "tokens", "examples", "wall_seconds", "cpu_seconds", "epoch", "loss"]
+        if any("accuracy" in p for p in self.points):
+            keys.append("accuracy")
+        out: dict[str, Any] = {k: [p.get(k) for p in self.points] for k in keys}
+        for k in ("wall_seconds", "cpu_seconds"):
+            out[k] = [round(v, 4) for v in out[k]]
+        out["eval_wall_seconds"] = round(self.eval_wall, 4)
+        out["eval_cpu_seconds"] = round(self.eval_cpu, 4)
+        out["every"] = self.every.to_dict() if self.every is not None else None
+        return out
+
+
 class ProgressBar(TrainerCallback):
     """One tqdm bar per run on stderr: optimizer steps done, current loss."""
 
@@ -203,6 +350,7 @@ def plan_randomness(
 __all__ = [
     "ClassificationCollator",
     "CountingCollator",
+    "HeldOutCurve",
     "LossRecorder",
     "ProgressBar",
     "StepTimer",

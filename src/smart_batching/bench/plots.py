@@ -232,6 +232,91 @@ def plot_lengths(records: list[dict[str, Any]], path: str | os.PathLike) -> Path
     return _save(fig, plt, path)
 
 
+def curve_band(
+    curves: list[dict[str, Any]], x: str = "wall_seconds", points: int = 60
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Held-out loss of several seeds' ``eval_curve`` on one grid of ``x``: ``(grid, center, low, high)``.
+
+    Each curve is interpolated linearly between its points and left out past its last one; the center
+    and band are :func:`spread` over the curves defined at each grid point (mean ± std from 3 seeds).
+    """
+    xs = [np.asarray(c[x], dtype=np.float64) for c in curves if c and c.get(x)]
+    ys = [np.asarray(c["loss"], dtype=np.float64) for c in curves if c and c.get(x)]
+    if not xs:
+        empty = np.zeros(0)
+        return empty, empty, empty, empty
+    grid = np.linspace(0.0, max(float(v[-1]) for v in xs), points)
+    # values: (curves, points), NaN past a curve's end
+    values = np.stack(
+        [np.where(grid <= v[-1] + 1e-12, np.interp(grid, v, y), np.nan) for v, y in zip(xs, ys, strict=True)]
+    )
+    stats = [spread([float(v) for v in col if np.isfinite(v)]) for col in values.T]
+    center, low, high = (np.asarray(a) for a in zip(*stats, strict=True))
+    return grid, center, low, high
+
+
+X_LABELS = {
+    "wall_seconds": "training wall time, s (evaluations left out)",
+    "cpu_seconds": "training process CPU time, s (evaluations left out)",
+    "tokens": "real training tokens",
+    "step": "optimizer steps",
+}
+
+
+def plot_time_to_quality(
+    records: list[dict[str, Any]],
+    path: str | os.PathLike,
+    *,
+    x: str = "wall_seconds",
+    target: float | None = None,
+    title: str | None = None,
+) -> Path:
+    """Held-out loss against training time, one line per strategy with its band over seeds.
+
+    Reads each run's ``eval_curve`` (``bench --eval-every``); usable on any records, e.g. a demo's or a
+    study's. The dashed line is ``target``, else the mean of ``random``'s final held-out losses (the
+    default time-to-target goal).
+
+    Args:
+        records: records of one bench (or of benches run alike).
+        path: the PNG to write.
+        x: the curve column on the x axis: ``"wall_seconds"``, ``"cpu_seconds"``, ``"tokens"``, ``"step"``.
+        target: the held-out loss drawn as the goal; None as said above.
+        title: the plot title; None names the axis.
+    """
+    plt = _pyplot()
+    groups = _by_strategy(records)
+    colors = _colors(list(groups))
+    fig, ax = plt.subplots(figsize=(9, 4.8), constrained_layout=True)
+    for name, runs in groups.items():
+        grid, center, low, high = curve_band([r.get("eval_curve") or {} for r in runs], x)
+        if grid.size == 0:
+            continue
+        ax.plot(
+            grid,
+            center,
+            color=colors[name],
+            linewidth=1.8,
+            label=f"{name} ({len(runs)} seed{'' if len(runs) == 1 else 's'})",
+        )
+        if len(runs) > 1:
+            ax.fill_between(grid, low, high, color=colors[name], alpha=0.18, linewidth=0)
+    if target is None:
+        from smart_batching.planners import BASELINE_STRATEGY
+
+        finals = [(r.get("eval") or {}).get("loss") for r in groups.get(BASELINE_STRATEGY, [])]
+        finals = [v for v in finals if v is not None]
+        target = float(np.mean(finals)) if finals else None
+    if target is not None:
+        ax.axhline(target, color="#333333", linestyle="--", linewidth=1, label=f"target {target:.4f}")
+    ax.set_xlabel(X_LABELS.get(x, x))
+    ax.set_ylabel("held-out loss (nats / target token)")
+    ax.set_title(title or "Held-out loss during training (line: mean over seeds; band: ± std)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=9)
+    return _save(fig, plt, path)
+
+
 def _save(fig: Any, plt: Any, path: str | os.PathLike) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,4 +325,12 @@ def _save(fig: Any, plt: Any, path: str | os.PathLike) -> Path:
     return out
 
 
-__all__ = ["plot_eval", "plot_lengths", "plot_loss_curves", "plot_throughput", "spread"]
+__all__ = [
+    "curve_band",
+    "plot_eval",
+    "plot_lengths",
+    "plot_loss_curves",
+    "plot_throughput",
+    "plot_time_to_quality",
+    "spread",
+]

@@ -172,6 +172,7 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             plots, ("throughput, padding, memory", "loss curves", "eval", "lengths"), strict=True
         ):
             doc.img(path, alt)
+        plots += _time_to_target_section(doc, ok, s, stem)
         _generations(doc, ok)
     doc.h(3, "Runs")
     run_headers = ["#", "strategy", "seed", "steps", "wall s", "CPU s", "tokens/s", "padding", "step p50 ms", "iter p50 ms",
@@ -197,6 +198,51 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
         )  # fmt: skip
     doc.table(run_headers, run_rows)
     return plots
+
+
+def _time_to_target_section(doc: _Doc, ok: list[dict[str, Any]], s: dict[str, Any], stem: Path) -> list[Path]:
+    """Time to target (table) and held-out loss against training time (plot), where the runs have a
+    held-out curve with points between the start and the end (``--eval-every``)."""
+    if not any(len((r.get("eval_curve") or {}).get("step") or []) > 2 for r in ok):
+        return []
+    from smart_batching.bench.plots import plot_time_to_quality
+    from smart_batching.bench.summary import time_to_target_rows, time_to_target_table
+
+    target = s.get("target")
+    doc.h(3, "Time to target")
+    goal = (
+        f"held-out loss {target:.4f} (`--target`)"
+        if target is not None
+        else "the final held-out loss of `random` with the same seed"
+    )
+    overhead = [
+        r["eval_overhead"]["wall_ratio"] for r in ok if (r.get("eval_overhead") or {}).get("wall_ratio")
+    ]
+    doc.ul(
+        [
+            f"Target: {goal}. Each run's time is read at the first evaluation at or below the target "
+            f"(evaluations every {s.get('eval_every')}); wall and CPU seconds are of training only, evaluations "
+            "left out. Ratios are per seed against `random`: the median over seeds and a 95 % interval "
+            "(geometric mean); below 1 reaches the target sooner.",
+            *(
+                [
+                    f"Evaluation during training took {100 * min(overhead):.1f}–{100 * max(overhead):.1f} % of the "
+                    "training wall time, kept off the clock."
+                ]
+                if overhead
+                else []
+            ),
+        ]
+    )
+    rows = time_to_target_rows(ok, target)
+    headers, cells = time_to_target_table(rows)
+    doc.table(headers, cells)
+    never = [f"`{r['strategy']}`: {'; '.join(r['reasons'])}" for r in rows if r["reasons"]]
+    if never:
+        doc.ul(never)
+    path = plot_time_to_quality(ok, f"{stem}-time-to-target.png", target=target)
+    doc.img(path, "held-out loss against training wall time")
+    return [path]
 
 
 def _generations(doc: _Doc, ok: list[dict[str, Any]]) -> None:

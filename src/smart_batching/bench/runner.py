@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from smart_batching.bench.config import DEFAULT_LR, BenchConfig
+from smart_batching.bench.curve import attach_time_to_target
 from smart_batching.bench.machine import machine_info, usable_cores, versions
 from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_record, read_records
 from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
@@ -212,6 +213,8 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         "max_grad_norm": 1.0,
         "eval_examples": len(bench_data.eval),
         "eval_batch_size": c.eval_batch_size,
+        "eval_every": None if c.eval_every is None else str(c.eval_every),
+        "target": c.target,
         "num_generations": len(bench_data.prompts),
         "max_new_tokens": c.max_new_tokens or (256 if task == "gsm8k" else 48),
         "device": dev.type,
@@ -254,6 +257,7 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
     try:
         for i, (strategy, seed) in enumerate(runs):
             rec = run_one(bench, strategy, seed, i, len(runs), c.callbacks, c.progress, launcher)
+            attach_time_to_target(rec, records, c.target)  # random of this seed ran first (run order)
             append_record(records_path, rec)
             records.append(rec)
             say(_run_line(rec))

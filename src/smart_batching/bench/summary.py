@@ -205,3 +205,114 @@ def summary_table(records: Sequence[dict[str, Any]]) -> str:
         table = _text_table([headers[i] for i in keep], [[r[i] for i in keep] for r in rows])
         blocks.append(f"{head}\n{table}")
     return "\n\n".join(blocks)
+
+
+# --------------------------------------------------------------------------------------------------
+# Time to target
+# --------------------------------------------------------------------------------------------------
+
+# Two-sided 95 % Student t quantiles by degrees of freedom (no scipy in the base install).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_quantile(dof: int) -> float:
+    """The two-sided 95 % Student t quantile for ``dof`` degrees of freedom (close above 10)."""
+    return _T975.get(dof, 1.96 + 2.4 / max(dof, 1))
+
+
+TTT_MEASURES = (("wall_seconds", "wall"), ("cpu_seconds", "CPU"), ("tokens", "tokens"), ("steps", "steps"))
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    """``(median, low, high)`` of per-seed ratios: the median, and a 95 % t-interval of the geometric
+    mean (on the log ratios); the interval is None with fewer than 2 ratios."""
+    vals = np.asarray([r for r in ratios if r is not None and r > 0 and np.isfinite(r)], dtype=np.float64)
+    if vals.size == 0:
+        return None, None, None
+    median = float(np.median(vals))
+    if vals.size < 2:
+        return median, None, None
+    logs = np.log(vals)
+    half = t_quantile(vals.size - 1) * float(logs.std(ddof=1)) / np.sqrt(vals.size)
+    return median, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
+
+
+def time_to_target_rows(
+    records: Sequence[dict[str, Any]], target: float | None = None, baseline: str = BASELINE_STRATEGY
+) -> list[dict[str, Any]]:
+    """Per strategy of one bench: time to target for each seed and its ratio to ``baseline``'s.
+
+    Each run's target is ``target``, else the final held-out loss of ``baseline`` with the same seed;
+    the time is read from the run's ``eval_curve`` (:func:`~smart_batching.bench.curve.time_to_target`).
+
+    Returns:
+        One dict per strategy: ``strategy``, ``seeds``, ``reached`` (seeds that reached the target),
+        ``reasons`` (why the others did not), and for each of ``wall_seconds``, ``cpu_seconds``,
+        ``tokens``, ``steps``: ``median`` (over the seeds that reached it) and ``ratio`` ``{"median",
+        "low", "high", "n"}`` (per seed, run over baseline, both reached; interval: 95 % of the
+        geometric mean).
+    """
+    from smart_batching.bench.curve import run_target, time_to_target
+
+    ok = [r for r in records if r.get("status") == "ok"]
+    ttt: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in ok:
+        goal = run_target(r, ok, target)
+        ttt[(r["strategy"], r["seed"])] = (
+            time_to_target(r.get("eval_curve"), goal)
+            if goal is not None
+            else {"reached": False, "reason": f"no target: no {baseline} run with seed {r['seed']}"}
+        )
+    rows = []
+    for name, runs in _strategies(ok).items():
+        seeds = [r["seed"] for r in runs]
+        reached = [s for s in seeds if ttt[(name, s)]["reached"]]
+        row: dict[str, Any] = {
+            "strategy": name,
+            "seeds": seeds,
+            "reached": reached,
+            "reasons": sorted({str(ttt[(name, s)].get("reason")) for s in seeds if s not in reached}),
+            "targets": {s: ttt[(name, s)].get("target") for s in seeds},
+        }
+        for key, _ in TTT_MEASURES:
+            values = [ttt[(name, s)][key] for s in reached]
+            pairs = [
+                ttt[(name, s)][key] / ttt[(baseline, s)][key]
+                for s in reached
+                if (baseline, s) in ttt and ttt[(baseline, s)]["reached"] and ttt[(baseline, s)][key]
+            ]
+            median, low, high = ratio_interval(pairs)
+            row[key] = {
+                "median": float(np.median(values)) if values else None,
+                "ratio": {"median": median, "low": low, "high": high, "n": len(pairs)},
+            }
+        rows.append(row)
+    return rows
+
+
+def _ratio_cell(ratio: dict[str, Any]) -> str:
+    if ratio["median"] is None:
+        return "-"
+    if ratio["low"] is None:
+        return f"{ratio['median']:.2f}x"
+    return f"{ratio['median']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}]"
+
+
+def time_to_target_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Headers and one row of strings per strategy of :func:`time_to_target_rows` (ratios: median over
+    seeds and the 95 % interval, below 1 reaches the target sooner than the baseline)."""
+    headers = ["strategy", "reached", "wall s", "x random wall", "CPU s", "x random CPU", "tokens",
+               "x random tokens", "steps", "x random steps"]  # fmt: skip
+    out = []
+    for row in rows:
+        cells = [row["strategy"], f"{len(row['reached'])}/{len(row['seeds'])}"]
+        for key, fmt in (
+            ("wall_seconds", "{:.1f}"),
+            ("cpu_seconds", "{:.1f}"),
+            ("tokens", "{:,.0f}"),
+            ("steps", "{:.0f}"),
+        ):
+            median = row[key]["median"]
+            cells += ["-" if median is None else fmt.format(median), _ratio_cell(row[key]["ratio"])]
+        out.append(cells)
+    return headers, out

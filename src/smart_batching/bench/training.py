@@ -145,6 +145,62 @@ def evaluate_model(
     return ev, metric, gens
 
 
+def held_out_eval(bench: BenchContext, model: Any) -> dict[str, Any]:
+    """The held-out loss (and accuracy, for a classifier) of ``model`` in the middle of training: the
+    final evaluation's loss on the same examples, without generations; the model's training-time
+    attention implementation and KV-cache flag are put back after."""
+    from smart_batching import compat
+    from smart_batching.bench.evaluate import eval_causal_lm, eval_classifier, inference_mode
+
+    bm, data = bench.model, bench.data
+    impl = getattr(model.config, "_attn_implementation", None)
+    cache = getattr(model.config, "use_cache", None)
+    tok = bm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    inference_mode(model, bm.info.get("attn_implementation"))
+    try:
+        if bm.kind == "classifier":
+            ev = eval_classifier(model, data.eval, pad_token_id=pad, device=bench.device)
+            return {"loss": ev["loss"], "accuracy": ev["accuracy"]}
+        ev = eval_causal_lm(
+            model,
+            data.eval,
+            pad_token_id=pad,
+            batch_size=bench.settings["eval_batch_size"],
+            device=bench.device,
+        )
+        return {"loss": ev["loss"]}
+    finally:
+        if impl is not None and getattr(model.config, "_attn_implementation", None) != impl:
+            compat.set_attn_implementation(model, impl)
+        if cache is not None:
+            model.config.use_cache = cache
+
+
+def _curve_callback(bench: BenchContext, collator: Any) -> Any:
+    """The :class:`~.curve.HeldOutCurve` of a run (its cadence from the settings; ``auto`` resolved from
+    the data sizes), with the initial weights' loss as its first point."""
+    from smart_batching.bench.curve import auto_cadence, parse_eval_every
+    from smart_batching.bench.measure import HeldOutCurve
+
+    s, data = bench.settings, bench.data
+    # One of several ranks (nproc > 1): the bench process evaluates the trained weights once, not here.
+    rank_of_several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    every = None if rank_of_several else parse_eval_every(s.get("eval_every"))
+    if every is not None and every.auto:
+        eval_tokens = int(sum(len(x) for x in data.eval["input_ids"]))
+        steps = -(-data.num_train // s["batch_size"]) * s["epochs"]
+        every = auto_cadence(int(data.lengths.sum()) * s["epochs"], eval_tokens, steps)
+    return HeldOutCurve(
+        lambda model: held_out_eval(bench, model),
+        every,
+        real_tokens=collator.real_tokens,
+        examples=collator.examples,
+        initial_loss=(bench.eval_initial or {}).get("loss"),
+        epoch_ends=not rank_of_several,
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # One run
 # --------------------------------------------------------------------------------------------------
@@ -292,6 +348,7 @@ def train_run(
         inner = make_collator(base, pad_token_id=pad, **({"pad_to_multiple_of": width} if width else {}))
     collator = CountingCollator(inner)
     timer, losses = StepTimer(bench.device), LossRecorder()
+    curve = _curve_callback(bench, collator)
     # Bars only on a terminal; in logs the per-run lines say enough.
     bar = ProgressBar(label, enabled=progress and sys.stderr.isatty())
     model = bm.fresh(bench.device)
@@ -304,7 +361,7 @@ def train_run(
             train_dataset=data.train,
             data_collator=collator,
             compute_loss_func=classification_loss if bm.kind == "classifier" else None,
-            callbacks=[timer, losses, bar, *callbacks],
+            callbacks=[timer, losses, bar, curve, *callbacks],
             strategy=base,
             strategy_options=options,
             seed=seed,
@@ -314,9 +371,11 @@ def train_run(
         try:
             with PeakMemory(bench.device) as mem:
                 start, cpu_start = time.perf_counter(), time.process_time()
+                curve.start()
                 trainer.train()
-                wall = time.perf_counter() - start
-                cpu = time.process_time() - cpu_start
+                # Evaluations during training are timed apart and left out of the training clock.
+                wall = time.perf_counter() - start - curve.eval_wall
+                cpu = time.process_time() - cpu_start - curve.eval_cpu
         finally:
             bar.close()
     guard = trainer.smart_batching.guard
@@ -373,6 +432,7 @@ def train_run(
             "num_split_by_plan": int(stats.num_split),
         },
         "fallbacks": recorded_fallbacks(),
+        "eval_curve": curve.curve(),
         "load_average_start": load_start,
         "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -395,6 +455,19 @@ def _finish_record(
     steps = [st for st in m["loss_steps"] if st <= len(examples_cum)]
     curve_losses = m["losses"][: len(steps)]
     tail = curve_losses[-max(1, len(curve_losses) // 10) :]
+    curve = m.get("eval_curve")
+    if curve is not None and ev.get("loss") is not None:
+        # The final evaluation is the curve's last point, at the end of the training clock (it replaces
+        # a point the callback took at the last step, e.g. the end of a shorter last epoch).
+        columns = [k for k in curve if isinstance(curve[k], list)]
+        if curve["step"] and curve["step"][-1] == m["num_steps"]:
+            for key in columns:
+                curve[key].pop()
+        final = {"step": m["num_steps"], "tokens": real, "examples": examples, "wall_seconds": round(wall, 4),
+                 "cpu_seconds": round(m["cpu_seconds"], 4), "epoch": float(s["epochs"]),
+                 "loss": float(ev["loss"]), "accuracy": ev.get("accuracy")}  # fmt: skip
+        for key in columns:
+            curve[key].append(final[key])
     peaks = [v for v in m["peak_memory_mb"] if v is not None]
     starts = [v for v in m["memory_start_mb"] if v is not None]
     record.update(
@@ -425,6 +498,14 @@ def _finish_record(
         },
         train_loss_final=float(np.mean(tail)) if tail else None,
         eval=ev,
+        eval_curve=curve,
+        eval_overhead=None
+        if curve is None
+        else {
+            "wall_seconds": curve["eval_wall_seconds"],
+            "cpu_seconds": curve["eval_cpu_seconds"],
+            "wall_ratio": curve["eval_wall_seconds"] / wall if wall else None,
+        },
         task_metric=metric,
         generations=gens,
         dropped={
@@ -504,4 +585,12 @@ def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
     release_memory()
 
 
-__all__ = ["BenchContext", "evaluate_model", "run_one", "strategy_options", "train_run", "warmup"]
+__all__ = [
+    "BenchContext",
+    "evaluate_model",
+    "held_out_eval",
+    "run_one",
+    "strategy_options",
+    "train_run",
+    "warmup",
+]

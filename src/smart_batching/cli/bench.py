@@ -146,6 +146,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="held-out examples for eval loss (default: 64)",
     )
     e.add_argument(
+        "--eval-every", default=None, metavar="N|Ntok|auto",
+        help="held-out loss during training: every N optimizer steps, every N real training tokens "
+        "('20000tok') or 'auto' (about a tenth of the training compute); evaluation time is kept out of "
+        "the training clock (default: off, the initial and final evaluations only)",
+    )  # fmt: skip
+    e.add_argument(
+        "--target", type=positive_float, default=None, metavar="LOSS",
+        help="held-out loss for time to target (default: random's final held-out loss, same seed)",
+    )  # fmt: skip
+    e.add_argument(
         "--num-generations", type=non_negative_int, default=None, metavar="N",
         help="held-out prompts to generate for (default: 16 for GSM8K, 4 otherwise, 8 predictions for classification)",
     )  # fmt: skip
@@ -205,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         eval_data=args.eval_data,
         eval_examples=args.eval_examples,
+        eval_every=args.eval_every,
+        target=args.target,
         num_generations=args.num_generations,
         max_new_tokens=args.max_new_tokens,
         out_dir=args.out,

@@ -368,7 +368,12 @@ _MIXED: dict[type, type] = {}
 
 
 def with_smart_batching(trainer_cls: type) -> type:
-    """A subclass of ``trainer_cls`` (e.g. TRL's ``SFTTrainer``) with the smart-batching overrides."""
+    """A subclass of ``trainer_cls`` (e.g. TRL's ``SFTTrainer``) with the smart-batching overrides
+    (for TRL's ``DPOTrainer``: :func:`smart_batching.hf.dpo.with_dpo_smart_batching`)."""
+    if compat.is_trl_dpo_trainer(trainer_cls):
+        from smart_batching.hf.dpo import with_dpo_smart_batching
+
+        return with_dpo_smart_batching(trainer_cls)
     if issubclass(trainer_cls, SmartBatchingMixin):
         return trainer_cls
     if trainer_cls not in _MIXED:
@@ -394,6 +399,10 @@ def apply_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **optio
     Returns:
         The same trainer.
     """
+    if compat.is_trl_dpo_trainer(trainer):  # pairs are the units: smart_batching.hf.dpo
+        from smart_batching.hf.dpo import apply_dpo_smart_batching
+
+        return apply_dpo_smart_batching(trainer, strategy, **options)
     # Options of setup_smart_batching go there; the rest are the strategy's own fields.
     setup_keys = set(inspect.signature(SmartBatchingMixin.setup_smart_batching).parameters) - {
         "self",
