@@ -27,6 +27,8 @@ from smart_batching.bench.demo import (  # noqa: E402
     generation_table,
     headline_rows,
     rest_command,
+    run_curve,
+    target_loss,
 )
 from smart_batching.bench.multiprocess import rank_balance  # noqa: E402
 from smart_batching.bench.records import append_record, read_records  # noqa: E402
@@ -48,10 +50,11 @@ def demo_records(tmp_path_factory):
     records = run_bench(
         "default", model="tiny-llama", model_options=TINY, strategies=("random", "packed"), num_examples=8,
         batch_size=4, max_length=64, eval_examples=4, num_generations=2, max_new_tokens=4, out_dir=out,
-        render=False, progress=False, threads=1,
+        render=False, progress=False, threads=1, eval_every=1,
     )  # fmt: skip
     two = copy.deepcopy(records[-1])
     two.update(bench_id="two-processes", run_index=0, world_size=2)
+    two.pop("eval_curve")  # a multi-process run evaluates only after training
     two["rank_balance"] = rank_balance(
         [{"slots": [60, 40], "real_tokens": [60, 40]}, {"slots": [40, 40], "real_tokens": [40, 40]}]
     )
@@ -97,6 +100,37 @@ def test_the_demo_report_leads_with_the_runs_and_what_the_model_says(demo_record
     assert "before training: 'before 0'" in benches  # the bench sections show the initial weights' too
     html = paths.html.read_text()
     assert "<table class='wrap'>" in html and "packed/2 says 1" in html
+
+
+def test_time_to_target_is_read_from_the_held_out_curves(demo_records, tmp_path):
+    """``to target``: training seconds until a run's held-out loss first reached one-process random's final
+    loss; the two-process run (no curve) reaches it at its end or not at all; the lead plots the curves."""
+    import functools
+
+    records = read_records(demo_records)
+    target = records[0]["eval"]["loss"]
+    assert target_loss(records) == target
+    assert all(len(r["eval_curve"]["step"]) > 2 for r in records[:2])  # points between start and end
+    assert run_curve(records[2])["loss"] == [records[2]["eval_initial"]["loss"], records[2]["eval"]["loss"]]
+    headers, rows = headline_rows(records)
+    cells = [row[headers.index("to target")] for row in rows]
+    base = records[0]["eval_curve"]
+    base_s = base["wall_seconds"][next(i for i, v in enumerate(base["loss"]) if v <= target)]
+    assert cells[0] == f"{base_s:.1f} s (1.00x)"
+    for r, cell in zip(records[1:], cells[1:], strict=True):
+        curve = run_curve(r)
+        hits = [i for i, v in enumerate(curve["loss"]) if v <= target]
+        if not hits:
+            assert cell == "not reached"
+        else:
+            s = curve["wall_seconds"][hits[0]]
+            assert cell == f"{s:.1f} s ({s / base_s:.2f}x)"
+    paths = render_report(demo_records, tmp_path, lead=functools.partial(demo_lead))
+    lead = paths.markdown.read_text().split("## tiny-llama", 1)[0]
+    assert "### Held-out loss during training" in lead and "demo-time-to-target.png" in lead
+    assert (tmp_path / "demo-time-to-target.png").stat().st_size > 0
+    assert f"one-process `random`'s final held-out loss ({target:.3f})" in lead
+    assert "every 1 step," in lead and "to target: training wall s" in demo_text(records)
 
 
 def test_demo_text_shows_the_runs_the_generations_and_the_rest(demo_records):
@@ -187,6 +221,13 @@ def test_demo_end_to_end(tmp_path, capsys):
     two = records[-1]
     assert two["num_examples_seen"] == data.num_train and two["dropped"]["num_examples_not_seen"] == 0
     assert len(two["rank_balance"]["per_step"]) == two["num_steps"] and two["rank_balance"]["max"] >= 1.0
+    for r in records[:-1]:  # the one-process runs evaluate once between their start and end, off the clock
+        assert len(r["eval_curve"]["step"]) == 3 and 0 < r["eval_curve"]["step"][1] < r["num_steps"]
     md = (tmp_path / "bench" / "report.md").read_text()
-    assert md.index("What the demo shows") < md.index("## smollm2")
+    assert (
+        md.index("What the demo shows")
+        < md.index("### Held-out loss during training")
+        < md.index("## smollm2")
+    )
+    assert (tmp_path / "bench" / "demo-time-to-target.png").stat().st_size > 0
     assert f"{DEMO_DISTRIBUTED}, {DEMO_NPROC} processes: the processes' work, step by step" in md

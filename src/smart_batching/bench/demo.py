@@ -13,7 +13,8 @@ with the docstring), truncated short, with only the last decoder layers and the 
    many tokens and the fine-tune takes about as many steps), with the per-step balance of the
    processes' work recorded (:func:`distributed_config`);
 3. renders one report whose first section, :func:`demo_lead`, holds what a person came for: speed-up,
-   padding, memory and held-out loss before and after, then the greedy generations of the initial
+   padding, memory, held-out loss before and after, the time to one-process ``random``'s final held-out
+   loss with the plot of held-out loss against training time (:data:`EVAL_EVERY`), then the greedy generations of the initial
    weights and of every run side by side for a few held-out prompts; the benches' full sections
    follow. :func:`demo_text` is the same on the console.
 
@@ -39,6 +40,11 @@ DEMO_STRATEGIES = ("random", "token_budget", "packed")
 DEMO_DISTRIBUTED = "packed"
 """The strategy trained again on :data:`DEMO_NPROC` processes."""
 DEMO_NPROC = 2
+EVAL_EVERY = "1600tok"
+"""The held-out curve's cadence: one evaluation about halfway through each one-process run (64 examples of
+at most 64 tokens are about 3,100 real tokens), besides the initial and the final one every run has. An
+evaluation is a forward pass of the whole model over the held-out set, about a sixth of such a run's
+compute, so more points would cost more than they show."""
 
 DEMO_CONFIG = BenchConfig(
     data="default",
@@ -53,6 +59,7 @@ DEMO_CONFIG = BenchConfig(
     eval_examples=16,
     num_generations=3,
     max_new_tokens=20,
+    eval_every=EVAL_EVERY,
     render=False,
 )
 """What the one-process demo bench runs (``out_dir``, ``progress`` and the loaded model are set per
@@ -96,6 +103,7 @@ def distributed_config(config: BenchConfig, *, device: Any = None) -> BenchConfi
         capacity=share(config.capacity),
         threads=None,
         device=device,
+        eval_every=None,  # evaluation runs in the bench process, after training (not in the ranks)
         append=True,
     )
 
@@ -173,14 +181,13 @@ def _ok(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def headline_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row per run: steps, wall time, speed-up over one-process ``random`` (same tokens, same cores),
-    padding, peak memory, held-out loss before and after, and the processes' balance."""
+    padding, peak memory, held-out loss before and after, the time to ``random``'s final held-out loss
+    (:func:`time_to_target_cell`), and the processes' balance."""
     ok = _ok(records)
-    base = next(
-        (r for r in ok if r["strategy"] == BASELINE_STRATEGY and (r.get("world_size") or 1) == 1), None
-    )
+    base = _baseline(records)
     devices = len({_device(r) for r in ok}) > 1  # then a speed-up across devices means nothing
     headers = ["run", "steps", "wall s", "speed-up", "padding", "peak MB", "held-out loss", "change",
-               "rank balance"]  # fmt: skip
+               "to target", "rank balance"]  # fmt: skip
     rows = []
     for r in ok:
         before = (r.get("eval_initial") or {}).get("loss")
@@ -198,10 +205,62 @@ def headline_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[s
                 f"{r.get('peak_memory_mb') or 0:,.0f}",
                 "-" if before is None or after is None else f"{before:.3f} -> {after:.3f}",
                 "-" if not before or after is None else f"{100 * (after - before) / before:+.1f}%",
+                time_to_target_cell(r, records),
                 f"{bal['mean']:.2f} (worst {bal['max']:.2f})" if bal else "-",
             ]
         )
     return headers, rows
+
+
+def _baseline(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The one-process ``random`` run: every other run is compared with it."""
+    return next(
+        (r for r in _ok(records) if r["strategy"] == BASELINE_STRATEGY and (r.get("world_size") or 1) == 1),
+        None,
+    )
+
+
+def target_loss(records: list[dict[str, Any]]) -> float | None:
+    """The demo's target: the final held-out loss of the one-process ``random`` run (None without one)."""
+    base = _baseline(records)
+    return None if base is None else (base.get("eval") or {}).get("loss")
+
+
+def run_curve(record: dict[str, Any]) -> dict[str, Any]:
+    """A run's held-out curve: its ``eval_curve``, or for a multi-process run (which evaluates only after
+    training, in the bench process) the two points it has, the initial weights and the trained ones."""
+    if record.get("eval_curve"):
+        return record["eval_curve"]
+    before, after = (record.get("eval_initial") or {}).get("loss"), (record.get("eval") or {}).get("loss")
+    if before is None or after is None:
+        return {}
+    return {
+        "step": [0, record["num_steps"]],
+        "tokens": [0, record.get("real_tokens")],
+        "wall_seconds": [0.0, record["wall_seconds"]],
+        "cpu_seconds": [0.0, record.get("cpu_seconds")],
+        "loss": [before, after],
+    }
+
+
+def time_to_target_cell(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """``12.3 s (0.85x)``: training wall seconds until the run's held-out loss first reached
+    :func:`target_loss` (evaluations off the clock), and that over one-process ``random``'s; or why not."""
+    from smart_batching.bench.curve import time_to_target
+
+    goal, base = target_loss(records), _baseline(records)
+    if goal is None or base is None:
+        return "-"
+    t = time_to_target(run_curve(record), goal)
+    if not t["reached"]:
+        return "not reached"
+    b = time_to_target(run_curve(base), goal)
+    ratio = (
+        f" ({t['wall_seconds'] / b['wall_seconds']:.2f}x)"
+        if b["reached"] and b["wall_seconds"] and _device(base) == _device(record)
+        else ""
+    )
+    return f"{t['wall_seconds']:.1f} s{ratio}"
 
 
 def generation_table(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -286,6 +345,8 @@ def demo_lead(
         doc.p("No run finished.")
         return []
     doc.p(_model_sentence(records))
+    target = target_loss(records)
+    goal = "one-process `random`'s final held-out loss" + ("" if target is None else f" ({target:.3f})")
     headers, rows = headline_rows(records)
     doc.table(headers, rows)
     doc.ul(
@@ -296,10 +357,15 @@ def demo_lead(
             "`held-out loss`: mean cross-entropy per target token on the held-out examples, of the initial weights "
             "and after the run; `change` in %. One seed: differences between strategies of about a percent are "
             "within what another seed gives.",
+            f"`to target`: training wall seconds until the run's held-out loss first reached {goal}, and that "
+            "over `random`'s. It is read at the evaluations: the initial weights, "
+            f"{_cadence(ok)}, and the end (evaluations off the clock; the multi-process run evaluates only at its "
+            "end), so a run that gets there only at its end shows its whole training time.",
             "`rank balance`: per optimizer step, the busiest process's token slots over the mean process's (1.00 is "
             "even; a step waits for its slowest process), the mean over the steps and the worst step.",
         ]
     )
+    plots = _time_to_target_plot(doc, records, out)
     doc.h(3, "What the model says, before and after")
     doc.p(
         "Held-out prompts, the same for every run; greedy decoding of the initial weights (`before fine-tuning`) "
@@ -338,7 +404,49 @@ def demo_lead(
         "Strategies the demo leaves out (to fit 5 minutes on 2 CPU cores), with the same settings: "
         f"`{rest_command(config)}`."
     )
-    return []
+    return plots
+
+
+def _cadence(ok: list[dict[str, Any]]) -> str:
+    every = next(
+        ((r.get("eval_curve") or {}).get("every") for r in ok if (r.get("eval_curve") or {}).get("every")),
+        None,
+    )
+    if not every:
+        return "each epoch's end"
+    return (
+        f"every {every['steps']} step{'' if every['steps'] == 1 else 's'}"
+        if every.get("steps")
+        else f"every {every['tokens']:,} real training tokens"
+    )
+
+
+def _time_to_target_plot(doc: Any, records: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Held-out loss against training time of the one-process runs (the multi-process run has only its
+    start and end), with one-process ``random``'s final loss as the target line."""
+    from smart_batching.bench.plots import plot_time_to_quality
+
+    single = [r for r in _ok(records) if (r.get("world_size") or 1) == 1 and r.get("eval_curve")]
+    if not single:
+        return []
+    doc.h(3, "Held-out loss during training")
+    path = plot_time_to_quality(
+        single,
+        out / "demo-time-to-target.png",
+        target=target_loss(records),
+        title="Held-out loss against training time, one process (1 seed; evaluations off the clock)",
+    )
+    doc.img(path, "held-out loss against training wall time, one line per strategy")
+    spent = [r["eval_overhead"]["wall_seconds"] for r in single if r.get("eval_overhead")]
+    doc.p(
+        "The dashed line is the target: one-process `random`'s final held-out loss. "
+        + (
+            f"Evaluating during training took {sum(spent):.1f} s over the {len(single)} runs, off their clocks."
+            if spent
+            else ""
+        )
+    )
+    return [path]
 
 
 def _one_line(text: str | None, limit: int) -> str:
@@ -354,7 +462,14 @@ def demo_text(records: list[dict[str, Any]], config: BenchConfig = DEMO_CONFIG) 
     if not ok:
         return "no run finished"
     headers, rows = headline_rows(records)
-    lines = [_text_table(headers, rows), ""]
+    lines = [_text_table(headers, rows)]
+    target = target_loss(records)
+    if target is not None:
+        lines.append(
+            f"to target: training wall s until held-out loss first reached one-process random's final {target:.3f} "
+            f"(evaluated at the start, {_cadence(ok)} and the end; x: over random's)"
+        )
+    lines.append("")
     for k, g in enumerate(generation_table(records)):
         lines.append(f"prompt {k + 1}: {_one_line(g['prompt'], 100)}")
         width = max(len(name) for name, _ in g["outputs"])
@@ -378,11 +493,15 @@ __all__ = [
     "DEMO_NPROC",
     "DEMO_STRATEGIES",
     "DemoResult",
+    "EVAL_EVERY",
     "demo_lead",
     "distributed_config",
     "demo_text",
     "generation_table",
     "headline_rows",
     "rest_command",
+    "run_curve",
     "run_demo_bench",
+    "target_loss",
+    "time_to_target_cell",
 ]

@@ -82,7 +82,10 @@ def bench_step(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
     sys.stdout.flush()
     result = run_demo_bench(Path(args.out) / "bench", progress=True)
     print(result.text)
-    print(f"\nrecords: {result.records}\nreport:  {result.report} (and report.md beside it)")
+    print(
+        f"\nrecords: {result.records}\nreport:  {result.report} (and report.md beside it; the plot of held-out "
+        f"loss against training time: {result.report.parent / 'demo-time-to-target.png'})"
+    )
 
 
 # The steps of the demo, in order.
