@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from smart_batching.bench.config import BenchConfig
-from smart_batching.planners import BASELINE_STRATEGY, STRATEGIES
+from smart_batching.planners import BASELINE_STRATEGY, DEFAULT_STRATEGY, FASTEST_STRATEGY, STRATEGIES
 
-DEMO_STRATEGIES = ("random", "token_budget", "packed")
-"""The strategies of the one-process bench: the baseline and the two that save the most padding."""
-DEMO_DISTRIBUTED = "packed"
+DEMO_STRATEGIES = (BASELINE_STRATEGY, DEFAULT_STRATEGY, FASTEST_STRATEGY)
+"""The strategies of the one-process bench: the baseline (``random``), the default (``token_budget``) and
+the one that saves the most padding (``packed``)."""
+DEMO_DISTRIBUTED = FASTEST_STRATEGY
 """The strategy trained again on :data:`DEMO_NPROC` processes."""
 DEMO_NPROC = 2
 EVAL_EVERY = "1600tok"
