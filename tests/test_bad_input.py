@@ -192,6 +192,23 @@ def test_cli_settings_are_checked_before_work(tmp_path, capsys, argv, message):
     assert len(err) == 1 and message in err[0]
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model-option", "trainable_layers"], "must be KEY=VALUE (e.g. trainable_layers=2)"),
+        (["--model", "smollm2", "--model-option", "trainable_layers=-1"],
+         "model_options trainable_layers=-1 must be a non-negative integer"),
+        (["--model", "smollm2", "--model-option", "hidden_size=64"],
+         "model_options ['hidden_size'] do not apply to model='smollm2'"),
+    ],
+)  # fmt: skip
+def test_bench_model_options_are_checked_before_the_model_loads(tmp_path, capsys, argv, message):
+    pytest.importorskip("transformers")
+    assert main(["bench", *argv, "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
 def test_a_cuda_device_without_a_gpu_is_refused(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """The training bench: records, same data per strategy, report rendering, Ctrl-C, CLI.
 
 Default tier: micro benches (a 1-layer, 16-wide Llama on a dozen short GSM8K-shaped examples, a few
-steps per strategy). Slow tier: the demo bench end to end.
+steps per strategy). The demo's bench is tested in test_demo.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytest.importorskip("matplotlib")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from smart_batching.bench.report import fmt_spread, render_report, speed_ratios, summary_table  # noqa: E402
+from smart_batching.bench.report import fmt_spread, speed_ratios, summary_table  # noqa: E402
 from smart_batching.bench.runner import RECORD_FIELDS, read_records, run_bench  # noqa: E402
 from smart_batching.cli import main  # noqa: E402
 from smart_batching.data.tasks import gsm8k_answer, gsm8k_exact_match  # noqa: E402
@@ -301,27 +301,6 @@ def test_classification_path_skips_packed(tmp_path):
     assert ok["task_metric"]["total"] == 6 and ok["num_examples_seen"] == 8
     assert ok["data"]["eval_source"].endswith("dev.tsv")
     assert "skipped" in (tmp_path / "out" / "report.md").read_text()
-
-
-@pytest.mark.slow
-def test_demo_bench_end_to_end(tmp_path):
-    from smart_batching.bench import run_demo_bench
-
-    records_path, report_path, table = run_demo_bench(tmp_path, progress=False)
-    records = read_records(records_path)
-    assert [r["strategy"] for r in records] == [
-        "random",
-        "max_length",
-        "group_by_length",
-        "token_budget",
-        "packed",
-    ]
-    assert all(r["status"] == "ok" for r in records)
-    assert len({r["examples_digest"] for r in records}) == 1
-    assert report_path.is_file() and report_path.suffix == ".html"
-    assert "packed" in table and "x random" in table
-    rerendered = render_report(records_path, tmp_path / "again")
-    assert rerendered.html.is_file()
 
 
 @pytest.mark.parametrize("name", ["token_budget", "packed", "packed[window=64]", "token_budget[window=32]"])

@@ -156,3 +156,17 @@ def test_merge_measurements_adds_tokens_per_step_and_keeps_the_slowest():
     assert merged["losses"] == [0.0, 0.0]  # rank 0's: Trainer already averages the loss over ranks
     assert merged["example_ids"].tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
     assert merged["fallbacks"] == {"attention.varlen": 3}  # any rank's slower path shows in the record
+    # Per step, the busiest rank's token slots over the mean rank's: 40/45 and 60/52 of 90 and 112.
+    balance = merged["rank_balance"]
+    assert balance["slots"] == [[40, 50], [60, 52]] and balance["real_tokens"] == [[20, 25], [30, 26]]
+    assert balance["per_step"] == [pytest.approx(50 / 45, abs=1e-4), pytest.approx(60 / 56, abs=1e-4)]
+    assert balance["max"] == pytest.approx(50 / 45) and balance["measure"] == "token_slots"
+    assert balance["mean"] == pytest.approx((50 / 45 + 60 / 56) / 2)
+
+
+def test_rank_balance_counts_a_step_a_rank_missed_as_zero():
+    from smart_batching.bench.multiprocess import rank_balance
+
+    balance = rank_balance([_rank(0, [2, 3], [20, 30], [0.1, 0.1], 1.0), _rank(1, [1], [20], [0.1], 1.0)])
+    assert balance["slots"] == [[40, 40], [60, 0]]
+    assert balance["per_step"] == [1.0, 2.0] and balance["max"] == 2.0

@@ -195,11 +195,18 @@ def test_analyze_default_dataset(capsys):
     assert "\npacked " in out
 
 
-def test_demo(tmp_path, capsys):
+def test_demo_analysis_step(tmp_path, capsys):
+    """The demo's first step through its real arguments (the training bench is tested in test_demo.py)."""
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
-    code, out, err = _run(["demo", "--out", tmp_path / "demo"], capsys)
-    assert code == 0, err
+    from smart_batching.cli import build_parser
+    from smart_batching.cli.demo import STEPS, analysis_step
+
+    assert [name for name, _ in STEPS] == ["analysis", "bench"]
+    ctx: dict = {}
+    analysis_step(build_parser().parse_args(["demo", "--out", str(tmp_path / "demo")]), ctx)
+    out = capsys.readouterr().out
+    assert ctx["lengths"].size > 0
     png = tmp_path / "demo" / "analysis.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert f"plot: {png}" in out

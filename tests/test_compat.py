@@ -122,6 +122,23 @@ def test_switching_the_attention_implementation(llama):
     compat.set_attn_implementation(llama, old)
 
 
+def test_training_the_last_layers_freezes_the_rest(llama):
+    import copy
+
+    model = copy.deepcopy(llama)
+    layer = sum(p.numel() for p in model.model.layers[-1].parameters())
+    norm = sum(p.numel() for p in model.model.norm.parameters())
+    assert compat.train_last_layers(model, 1) == layer + norm
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {
+        n for n, _ in model.named_parameters() if n.startswith(("model.layers.1.", "model.norm."))
+    }
+    assert compat.train_last_layers(model, 0) == norm  # the final norm only
+    assert compat.train_last_layers(model, 2) == sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in model.model.embed_tokens.parameters()
+    ) - (0 if model.config.tie_word_embeddings else model.lm_head.weight.numel())
+
+
 def test_keeping_the_first_layers_gives_a_model_of_that_depth(llama):
     import copy
 

@@ -20,7 +20,7 @@ SDPA kernel and mask builder              :func:`sdpa_attention_forward`, :func:
 switching attention on a loaded model     :func:`set_attn_implementation`, :func:`can_set_attn_implementation`
 causal-LM classes                         :func:`causal_lm_class_names`
 learning-rate schedule names              :func:`lr_scheduler_types`
-a decoder's layer stack                   :func:`keep_first_layers`
+a decoder's layer stack                   :func:`keep_first_layers`, :func:`train_last_layers`
 Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
                                           :data:`TRAINER_ATTRIBUTES`
 DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
@@ -167,6 +167,27 @@ def keep_first_layers(model: Any, k: int) -> None:
     model.config.num_hidden_layers = k
     if getattr(model.config, "layer_types", None) is not None:
         model.config.layer_types = model.config.layer_types[:k]
+
+
+def train_last_layers(model: Any, k: int) -> int:
+    """Freeze a decoder-only causal LM (``model.model.layers`` and ``model.model.norm``, as Llama, Qwen2 and
+    Mistral hold them) but for its last ``k`` decoder layers and the final norm, in place.
+
+    The embeddings (and an LM head, tied to them or not) and the earlier layers get
+    ``requires_grad=False``: their activations need no gradient, so autograd keeps no graph for them
+    and the backward pass stops at the first trained layer. ``k=0`` trains the final norm only.
+
+    Returns:
+        The number of parameters left trainable.
+    """
+    layers = model.model.layers
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trained = [*(layers[len(layers) - k :] if k else []), model.model.norm]
+    for module in trained:
+        for p in module.parameters():
+            p.requires_grad_(True)
+    return int(sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
 @functools.cache

@@ -26,8 +26,9 @@ class _Doc:
     def ul(self, items: list[str]) -> None:
         self.blocks.append(("ul", items))
 
-    def table(self, headers: list[str], rows: list[list[str]]) -> None:
-        self.blocks.append(("table", (headers, rows)))
+    def table(self, headers: list[str], rows: list[list[str]], *, wrap: bool = False) -> None:
+        """A table; ``wrap=True`` lets long cells (generated text) wrap in HTML, left-aligned."""
+        self.blocks.append(("table", (headers, rows, wrap)))
 
     def img(self, path: Path, alt: str) -> None:
         self.blocks.append(("img", (path, alt)))
@@ -45,7 +46,7 @@ class _Doc:
             elif kind == "ul":
                 out.append("\n".join(f"- {item}" for item in value))
             elif kind == "table":
-                headers, rows = value
+                headers, rows, _ = value
                 esc = [[c.replace("|", "\\|").replace("\n", " ") for c in r] for r in [headers, *rows]]
                 out.append("\n".join(["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(headers)]
                                      + ["| " + " | ".join(r) + " |" for r in esc[1:]]))  # fmt: skip
@@ -65,13 +66,14 @@ class _Doc:
             elif kind == "ul":
                 body.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in value) + "</ul>")
             elif kind == "table":
-                headers, rows = value
+                headers, rows, wrap = value
                 head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
                 cells = "".join(
                     "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows
                 )
+                css = " class='wrap'" if wrap else ""
                 body.append(
-                    f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table></div>"
+                    f"<div class='scroll'><table{css}><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table></div>"
                 )
             elif kind == "img":
                 data = base64.b64encode(Path(value[0]).read_bytes()).decode("ascii")
@@ -98,7 +100,7 @@ body {{ font-family: -apple-system, "Segoe UI", Roboto, sans-serif; max-width: 1
 table {{ border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }}
 th, td {{ border: 1px solid #ccc; padding: 3px 7px; text-align: right; white-space: nowrap; }}
 th {{ background: #f0f0f0; }} td:first-child, th:first-child {{ text-align: left; }}
-.scroll {{ overflow-x: auto; }} img {{ max-width: 100%; margin: 0.5em 0; }}
+table.wrap td {{ white-space: pre-wrap; text-align: left; }} .scroll {{ overflow-x: auto; }} img {{ max-width: 100%; margin: 0.5em 0; }}
 pre {{ background: #f7f7f7; padding: 0.6em; white-space: pre-wrap; font-size: 0.85em; }}
 code {{ background: #f3f3f3; padding: 0 3px; }}
 </style></head><body>

@@ -42,7 +42,8 @@ class BenchConfig:
 
     Attributes:
         data: ``"default"`` (the embedded dataset), a data file or folder, or a ``datasets.Dataset``.
-        model: ``"tiny-llama"``, ``"smollm2"``, ``"minilm"`` or a transformers model object.
+        model: ``"tiny-llama"``, ``"smollm2"``, ``"minilm"``, a transformers model object, or a loaded
+            :class:`~smart_batching.models.zoo.TrainingModel` (benches that share one load).
         tokenizer: a tokenizer name or object; None means the model's own (``smollm2`` for the Llamas).
         strategies: strategy names, in run order (``random`` first: speed ratios are against it);
             options by name are allowed (``token_budget[window=512]``).
@@ -93,7 +94,8 @@ class BenchConfig:
             every strategy. Each record names it (``precision``: setting, dtype, autocast,
             checkpointing, the CPU's bf16 support).
         model_options: ``LlamaConfig`` overrides for ``tiny-llama`` (e.g. ``{"hidden_size": 64}``), or
-            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers).
+            ``{"num_hidden_layers": k}`` for ``smollm2`` (its first ``k`` layers); ``{"trainable_layers": k}``
+            for both trains only the last ``k`` decoder layers and the final norm.
         batch_schedule: tokens (or examples) per optimizer step as a function of what was seen, for every
             run (``"linear:4096->32768@20%"``, see :mod:`smart_batching.adaptive.schedule`); each step runs as
             many micro-batches of the strategy's budget as it needs. None: one micro-batch per step.

@@ -61,7 +61,8 @@ def merge_measurements(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ranks are added up, and the step and iteration times are the slowest rank's. Wall time is the
     slowest rank's, so tokens/s is the whole job's; CPU time is the sum over ranks; peak memory is
     kept per rank. The logged loss is rank 0's (Trainer averages it over the ranks). The examples
-    trained are every rank's share put together.
+    trained are every rank's share put together. ``rank_balance`` keeps what each rank computed in
+    each step (:func:`rank_balance`).
     """
 
     def add(key: str) -> list[int]:
@@ -73,6 +74,7 @@ def merge_measurements(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(parts[0])
     merged.update(
         world_size=len(parts),
+        rank_balance=rank_balance(parts),
         examples=add("examples"),
         real_tokens=add("real_tokens"),
         slots=add("slots"),
@@ -87,6 +89,32 @@ def merge_measurements(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         seg_lengths=np.concatenate([p["seg_lengths"] for p in parts]),
     )
     return merged
+
+
+def rank_balance(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How evenly the ranks' work was spread, step by step, from the batches each rank computed.
+
+    A step waits for its slowest rank, so the figure per step is the largest rank's token slots
+    (rows × padded width: the compute) over the mean rank's; 1.0 is perfect balance, 1.5 means the
+    busiest rank computed 50% more than the average one.
+
+    Returns:
+        ``{"per_step": [...], "mean": ..., "max": ..., "measure": "token_slots", "slots": [[rank 0, rank
+        1, ...] per step], "real_tokens": [[...] per step]}``; a step a rank did not take counts 0.
+    """
+    slots = np.array(list(zip_longest(*(p["slots"] for p in parts), fillvalue=0)), dtype=np.int64)
+    real = np.array(list(zip_longest(*(p["real_tokens"] for p in parts), fillvalue=0)), dtype=np.int64)
+    slots = slots.reshape(-1, len(parts))  # (num_steps, world_size)
+    mean = slots.mean(axis=1)
+    per_step = np.divide(slots.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+    return {
+        "per_step": [round(float(v), 4) for v in per_step],
+        "mean": float(per_step.mean()) if per_step.size else 1.0,
+        "max": float(per_step.max()) if per_step.size else 1.0,
+        "measure": "token_slots",
+        "slots": slots.tolist(),
+        "real_tokens": real.reshape(-1, len(parts)).tolist(),
+    }
 
 
 def check_world(bench: BenchContext, strategies: Sequence[str], seeds: Sequence[int], nproc: int) -> None:
@@ -270,4 +298,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["JOB_NAME", "RankLauncher", "check_world", "merge_measurements"]
+__all__ = ["JOB_NAME", "RankLauncher", "check_world", "merge_measurements", "rank_balance"]

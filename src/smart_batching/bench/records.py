@@ -22,20 +22,23 @@ RECORD_FIELDS = (
     "wall_seconds", "cpu_seconds", "tokens_per_second", "samples_per_second", "step_seconds", "iteration_seconds",
     "peak_memory_mb", "peak_memory_mb_per_rank", "memory_kind", "loss_curve", "train_loss_final", "eval", "eval_initial",
     "task_metric", "generations", "dropped", "planned", "randomness", "fallbacks", "schedule", "oom_backoff", "data",
-    "settings", "versions", "machine",
+    "settings", "versions", "machine", "rank_balance",
 )  # fmt: skip
 """Top-level fields of a record (``status="skipped"`` records carry ``skip_reason`` and no measurements).
 
 ``world_size`` is the number of processes the run trained on (records written before it existed: 1);
 with several, ``tokens_per_second`` counts every process's real tokens over the slowest one's wall time
-and ``peak_memory_mb`` is the largest of ``peak_memory_mb_per_rank``. ``fallbacks`` counts the slower
+and ``peak_memory_mb`` is the largest of ``peak_memory_mb_per_rank``; ``rank_balance`` is how evenly the
+processes' work was spread, per step (:func:`~smart_batching.bench.multiprocess.rank_balance`; None with one
+process). ``fallbacks`` counts the slower
 paths the run took, by kind (:mod:`smart_batching.fallbacks`; ``{}`` when none, summed over processes).
 ``randomness`` is how random the strategy's batches are, from its plans for epochs 0 and 1 with the run's
 seed (``order_corr``, ``pair_repeat``, ``pair_repeat_random``: see
 :func:`~smart_batching.analysis.batch_randomness`). ``schedule`` is the batch schedule as the run realised
 it (``tokens``, ``size`` and ``target`` of every optimizer step, all processes; None without
 ``batch_schedule``), ``oom_backoff`` what the out-of-memory back-off did (its budget, ``num_backoffs``,
-``num_failures``, ``failed_seconds``, events; None when off)."""
+``num_failures``, ``failed_seconds``, events; None when off). ``eval_initial`` is the evaluation of the initial
+weights, the same in every record of a bench, with their ``generations`` (the "before" of each run's)."""
 
 
 def _clean(value: Any) -> Any:

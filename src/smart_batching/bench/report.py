@@ -16,6 +16,7 @@ summary as one screen of plain text.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -143,6 +144,13 @@ def _bench_section(doc: _Doc, bench_id: str, recs: list[dict[str, Any]], out: Pa
             "process (`peak_memory_mb_per_rank` in the records). Eval and generations ran once, in the bench "
             "process, on the trained weights."
         )
+        balances = [r["rank_balance"] for r in ok if r.get("rank_balance")]
+        if balances:
+            notes.append(
+                "Rank balance (`rank_balance` in the records): per step, the busiest process's token slots over the "
+                f"mean process's (1.00 is even): mean {np.mean([b['mean'] for b in balances]):.2f}, worst step "
+                f"{max(b['max'] for b in balances):.2f}."
+            )
     if s.get("batch_schedule"):
         unit = s.get("schedule_unit") or "tokens for token_budget and packed, examples for the others"
         notes.append(
@@ -277,10 +285,12 @@ def _generations(doc: _Doc, ok: list[dict[str, Any]]) -> None:
     gens = first.get("generations") or []
     if not gens:
         return
+    before = (first.get("eval_initial") or {}).get("generations") or []
     classification = first.get("task") == "classification"
     doc.h(3, "Sample predictions" if classification else "Sample generations")
     doc.p(
-        "Held-out inputs, the same for every strategy; greedy decoding after training (first seed of each strategy)."
+        "Held-out inputs, the same for every strategy; greedy decoding after training (first seed of each strategy)"
+        + (", and of the initial weights (`before training`)." if before else ".")
         if not classification
         else "Held-out sentences, predicted label per strategy (first seed of each strategy)."
     )
@@ -290,6 +300,8 @@ def _generations(doc: _Doc, ok: list[dict[str, Any]]) -> None:
         if g.get("reference"):
             doc.p("Reference: " + _short(g["reference"], 300).replace("\n", " "))
         lines = []
+        if k < len(before):
+            lines.append(f"before training: {_short(before[k].get('output'), 500)!r}")
         for name, r in by_strategy.items():
             rg = r.get("generations") or []
             if k < len(rg):
@@ -300,12 +312,25 @@ def _generations(doc: _Doc, ok: list[dict[str, Any]]) -> None:
         doc.pre("\n".join(lines))
 
 
-def render_report(records_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> ReportPaths:
+Lead = Callable[[_Doc, list[dict[str, Any]], Path], list[Path]]
+"""A report's opening sections: ``lead(doc, records, out_dir)`` adds blocks to ``doc`` (``h``, ``p``, ``ul``,
+``table``, ``img``, ``pre``) and returns the plots it wrote (the demo's headline: :mod:`~.demo`)."""
+
+
+def render_report(
+    records_path: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    title: str = "smart-batching bench report",
+    lead: Lead | None = None,
+) -> ReportPaths:
     """Render the Markdown and HTML report (and its PNG plots) from a ``records.jsonl`` file.
 
     Args:
         records_path: JSON lines written by :func:`~smart_batching.bench.runner.run_bench`.
         out_dir: where to write; None means the folder of ``records_path``.
+        title: the report's heading and HTML title.
+        lead: sections placed before the benches' own (see :data:`Lead`); None: none.
 
     Returns:
         The paths of ``report.md``, ``report.html`` and the plots.
@@ -324,22 +349,23 @@ def render_report(records_path: str | os.PathLike, out_dir: str | os.PathLike | 
     out.mkdir(parents=True, exist_ok=True)
     doc = _Doc()
     benches = group_benches(records)
-    doc.h(1, "smart-batching bench report")
+    doc.h(1, title)
+    plots: list[Path] = lead(doc, records, out) if lead is not None else []
     doc.p(
         f"Rendered from `{path.name}`: {len(records)} run(s) in {len(benches)} bench(es). Each bench fine-tunes one "
         "model from the same initial weights on the same examples once per batching strategy and seed; only the "
         "batching differs. Re-render with `smart-batching report " + str(path) + "`."
     )
-    plots: list[Path] = []
     for bench_id, recs in benches.items():
         plots += _bench_section(doc, bench_id, recs, out)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(doc.markdown(out), encoding="utf-8")
-    html_path.write_text(doc.html("smart-batching bench report"), encoding="utf-8")
+    html_path.write_text(doc.html(title), encoding="utf-8")
     return ReportPaths(md_path, html_path, plots)
 
 
 __all__ = [
+    "Lead",
     "ReportPaths",
     "fmt_spread",
     "group_benches",

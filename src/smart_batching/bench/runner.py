@@ -173,7 +173,7 @@ def resolve_precision(precision: str, device: Any) -> str:
 
 
 def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
-    from smart_batching.models.zoo import DEFAULT_TOKENIZERS, load_training_model
+    from smart_batching.models.zoo import DEFAULT_TOKENIZERS, TrainingModel, load_training_model
 
     c = config
     out = Path(c.out_dir)
@@ -183,7 +183,9 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         records_path.unlink()
 
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if c.progress else (lambda msg: None)
-    say(f"loading model {c.model if isinstance(c.model, str) else type(c.model).__name__} ...")
+    loaded = isinstance(c.model, TrainingModel)
+    name = c.model if isinstance(c.model, str) else c.model.name if loaded else type(c.model).__name__
+    say(f"{'using the loaded model' if loaded else 'loading model'} {name} ...")
     model_options = dict(c.model_options) if c.model_options is not None else None
     bm = load_training_model(c.model, tokenizer=c.tokenizer, model_options=model_options)
     say(f"preparing data {c.data if isinstance(c.data, (str, os.PathLike)) else type(c.data).__name__} ...")
@@ -264,8 +266,8 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         check_world(bench, strategies, seeds, c.nproc)  # before any process starts
     say("evaluating the initial weights ...")
     initial_model = bm.fresh(dev)
-    ev, metric, _ = evaluate_model(bench, initial_model)
-    bench.eval_initial = {**ev, "task_metric": metric}
+    ev, metric, gens = evaluate_model(bench, initial_model)
+    bench.eval_initial = {**ev, "task_metric": metric, "generations": gens}
     del initial_model
 
     runs = [(strategy, seed) for seed in seeds for strategy in strategies]

@@ -554,6 +554,7 @@ def _finish_record(
         planned=m["planned"],
         schedule=m.get("schedule"),
         oom_backoff=m.get("oom_backoff"),
+        rank_balance=m.get("rank_balance"),
         load_average_start=m["load_average_start"],
         load_average_end=m["load_average_end"],
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),

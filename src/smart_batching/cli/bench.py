@@ -39,6 +39,17 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _model_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``; the value is read as JSON when it parses (``2``, ``true``, ``0.1``), else kept as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE (e.g. trainable_layers=2), got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
@@ -61,6 +72,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument(
         "--model", default="tiny-llama", choices=MODELS, help="model to fine-tune (default: tiny-llama)"
     )
+    d.add_argument(
+        "--model-option", type=_model_option, action="append", default=[], metavar="KEY=VALUE", dest="model_options",
+        help="a model option (repeatable): trainable_layers=K (train the last K decoder layers and the final norm "
+        "only), num_hidden_layers=K (smollm2: its first K layers), or a LlamaConfig field (tiny-llama)",
+    )  # fmt: skip
     d.add_argument("--tokenizer", default=None, metavar="T", help="tokenizer (default: the model's own)")
     d.add_argument(
         "--max-length", type=positive_int, default=None, metavar="N",
@@ -237,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         lr_scaling=args.lr_scaling,
         oom_backoff=args.oom_backoff,
         precision=args.precision,
+        model_options=dict(args.model_options) or None,
         on_record=emit,
     )
     records = run_bench(config)
