@@ -33,9 +33,11 @@ class _SegmentPlan:
     cu_seq_lens: torch.Tensor
 
 
-def _plan_from_starts(starts: list[int], num_tokens: int, device: torch.device) -> _SegmentPlan:
-    ends = starts[1:] + [num_tokens]
-    lengths = [e - s for s, e in zip(starts, ends, strict=True)]
+def _group_segments(
+    starts: list[int], lengths: list[int], device: torch.device
+) -> tuple[tuple[tuple[int, torch.Tensor | int], ...], tuple[tuple[int, int], ...]]:
+    """``(groups, order)`` of a :class:`_SegmentPlan` for segments at ``starts`` of ``lengths`` (empty
+    segments left out; the segments need not tile the row)."""
     by_length: dict[int, list[int]] = {}
     for seg, length in enumerate(lengths):
         if length > 0:
@@ -53,11 +55,18 @@ def _plan_from_starts(starts: list[int], num_tokens: int, device: torch.device) 
             groups.append((length, index))
         for member, seg in enumerate(segs):
             order[seg] = (g, member)
+    return tuple(groups), tuple(o for o in order if o is not None)
+
+
+def _plan_from_starts(starts: list[int], num_tokens: int, device: torch.device) -> _SegmentPlan:
+    ends = starts[1:] + [num_tokens]
+    lengths = [e - s for s, e in zip(starts, ends, strict=True)]
+    groups, order = _group_segments(starts, lengths, device)
     return _SegmentPlan(
         num_tokens=num_tokens,
         lengths=tuple(lengths),
-        groups=tuple(groups),
-        order=tuple(o for o in order if o is not None),
+        groups=groups,
+        order=order,
         max_length=max(lengths, default=0),
         cu_seq_lens=torch.tensor([*starts, num_tokens], device=device, dtype=torch.int32),
     )

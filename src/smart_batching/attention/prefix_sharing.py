@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from smart_batching.attention._kernels import _flash_attn_varlen, _segment_attention, _varlen_attention
-from smart_batching.attention._segments import _is_tracing, _PlanCache, _SegmentPlan
+from smart_batching.attention._segments import _group_segments, _is_tracing, _PlanCache, _SegmentPlan
 from smart_batching.attention.forward import _sliding_window, packed_attention_forward, packed_attention_mask
 from smart_batching.errors import ConfigError
 
@@ -95,29 +95,15 @@ class _SharedPlan:
 
 def _segment_plan(starts: list[int], lengths: list[int], device: torch.device) -> _SegmentPlan:
     """A :class:`_SegmentPlan` over segments that need not tile the row (gaps are other tokens)."""
-    by_length: dict[int, list[int]] = {}
-    for seg, length in enumerate(lengths):
-        if length > 0:
-            by_length.setdefault(length, []).append(seg)
-    groups: list[tuple[int, torch.Tensor | int]] = []
-    order: list[tuple[int, int] | None] = [None] * len(lengths)
-    for length, segs in by_length.items():
-        g = len(groups)
-        if len(segs) == 1:
-            groups.append((length, starts[segs[0]]))
-        else:
-            seg_starts = torch.tensor([starts[s] for s in segs], device=device, dtype=torch.long)
-            groups.append((length, seg_starts[:, None] + torch.arange(length, device=device)))
-        for member, seg in enumerate(segs):
-            order[seg] = (g, member)
+    groups, order = _group_segments(starts, lengths, device)
     kept = [length for length in lengths if length > 0]
     cu = torch.zeros(len(kept) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(kept, dtype=torch.int32).cumsum(0)
     return _SegmentPlan(
         num_tokens=sum(kept),
         lengths=tuple(kept),
-        groups=tuple(groups),
-        order=tuple(o for o in order if o is not None),
+        groups=groups,
+        order=order,
         max_length=max(kept, default=0),
         cu_seq_lens=cu.to(device),
     )
