@@ -1,5 +1,10 @@
 """Compiled loops shared by the planners (numba, cached on disk): seeded permutations, counting sorts,
 and laying batches out in a new order. Packing's own loops are in :mod:`._packing_kernels`.
+
+Outputs that grow with the number of examples are allocated by numpy (:func:`empty`) and filled by
+the compiled loop (``_name(..., out)`` behind a Python ``name(...)``), never allocated inside it:
+numpy's large arrays get transparent huge pages, numba's do not, and at 10M examples that halves the
+time of a ``packed`` plan (``tests/test_kernel_outputs.py`` holds every kernel to it).
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def _shuffle_small(arr, lo, hi, state):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _shuffle_range(arr, lo, hi, state):  # pragma: no cover - compiled
-    """Uniformly shuffle arr[lo:hi] in place.
+def _shuffle_range(arr, lo, hi, state, bucket, out):  # pragma: no cover - compiled
+    """Uniformly shuffle arr[lo:hi] in place; ``bucket`` (int32) and ``out`` (arr's dtype) are scratch
+    of at least ``hi - lo`` items, reused from range to range.
 
     Large ranges are first scattered into random buckets of about 8k items and then each bucket is
     shuffled in place: every item lands in a uniform bucket, and every bucket gets a uniform order, so
@@ -63,7 +69,6 @@ def _shuffle_range(arr, lo, hi, state):  # pragma: no cover - compiled
         _shuffle_small(arr, lo, hi, state)
         return
     nb = m >> 13
-    bucket = np.empty(m, dtype=np.int32)
     starts = np.zeros(nb + 1, dtype=np.int64)
     for i in range(m):
         b = _below(state, nb)
@@ -72,26 +77,40 @@ def _shuffle_range(arr, lo, hi, state):  # pragma: no cover - compiled
     for b in range(nb):
         starts[b + 1] += starts[b]
     fill = starts[:-1].copy()
-    out = np.empty(m, dtype=arr.dtype)
     for i in range(m):
         b = bucket[i]
         out[fill[b]] = arr[lo + i]
         fill[b] += 1
     for b in range(nb):
         _shuffle_small(out, starts[b], starts[b + 1], state)
-    arr[lo:hi] = out
+    arr[lo:hi] = out[:m]
+
+
+def empty(n: int, dtype: type = np.int64) -> np.ndarray:
+    """A new array for a kernel to fill, allocated by numpy rather than inside compiled code: numpy
+    asks the kernel for transparent huge pages on large arrays, where first touching 80 MB costs about
+    a fifth of what it costs in 4 KiB pages (12 ms against 50 ms on the 2-core EPYC of
+    ``benchmarks/RESULTS.md``), and a plan of 10M examples writes several such arrays."""
+    return np.empty(n, dtype=dtype)
+
+
+def shuffled_permutation(n: int, seed: int) -> np.ndarray:
+    """A uniformly random permutation of 0..n-1, seeded (see :func:`_shuffled_permutation`)."""
+    return _shuffled_permutation(empty(n), seed)
 
 
 @njit(cache=True, nogil=True)
-def shuffled_permutation(n, seed):  # pragma: no cover - compiled
-    """A uniformly random permutation of 0..n-1, seeded.
+def _shuffled_permutation(out, seed):  # pragma: no cover - compiled
+    """Fill ``out`` with a uniformly random permutation of 0..len(out)-1, seeded.
 
     Large n: every index goes to a uniform random bucket of about 8k (the bucket draws are replayed
     from the saved generator state instead of being stored), then each bucket is shuffled in place.
     """
+    n = out.shape[0]
     state = np.array([seed], dtype=np.uint64)
     if n <= _SMALL_RANGE:
-        out = np.arange(n)
+        for i in range(n):
+            out[i] = i
         _shuffle_small(out, 0, n, state)
         return out
     nb = n >> 13
@@ -103,7 +122,6 @@ def shuffled_permutation(n, seed):  # pragma: no cover - compiled
         starts[b + 1] += starts[b]
     fill = starts[:-1].copy()
     state[0] = start_state  # replay the same bucket draws
-    out = np.empty(n, dtype=np.int64)
     for i in range(n):
         b = _below(state, nb)
         out[fill[b]] = i
@@ -113,14 +131,26 @@ def shuffled_permutation(n, seed):  # pragma: no cover - compiled
     return out
 
 
-@njit(cache=True, nogil=True)
-def counting_sort_shuffled(values, max_value, seed, descending):  # pragma: no cover - compiled
+def counting_sort_shuffled(
+    values: np.ndarray, max_value: int, seed: int, descending: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Positions sorted by integer value, ascending (or descending); ties in uniformly random order, or
     in position order when seed < 0. O(n + max_value).
 
     Returns:
         ``(order, sorted_values)``: (n,) positions, and ``values[order]`` written run by run (no gather).
     """
+    n = values.shape[0]
+    order, ordered = empty(n), empty(n)
+    _counting_sort_shuffled(values, max_value, seed, descending, order, ordered)
+    return order, ordered
+
+
+@njit(cache=True, nogil=True)
+def _counting_sort_shuffled(
+    values, max_value, seed, descending, order, ordered
+):  # pragma: no cover - compiled
+    """:func:`counting_sort_shuffled` into ``order`` and ``ordered``."""
     n = values.shape[0]
     starts = np.zeros(max_value + 2, dtype=np.int64)
     for i in range(n):
@@ -129,17 +159,21 @@ def counting_sort_shuffled(values, max_value, seed, descending):  # pragma: no c
     for k in range(max_value + 1):
         starts[k + 1] += starts[k]
     fill = starts[:-1].copy()
-    order = np.empty(n, dtype=np.int64)
     for i in range(n):
         k = max_value - values[i] if descending else values[i]
         order[fill[k]] = i
         fill[k] += 1
     if seed >= 0:
         state = np.array([seed], dtype=np.uint64)
+        largest = 0
+        for k in range(max_value + 1):
+            largest = max(largest, starts[k + 1] - starts[k])
+        scratch = largest if largest > _SMALL_RANGE else 0
+        bucket = np.empty(scratch, dtype=np.int32)
+        out = np.empty(scratch, dtype=np.int64)
         for k in range(max_value + 1):
             if starts[k + 1] - starts[k] > 1:
-                _shuffle_range(order, starts[k], starts[k + 1], state)
-    ordered = np.empty(n, dtype=np.int64)
+                _shuffle_range(order, starts[k], starts[k + 1], state, bucket, out)
     for k in range(max_value + 1):
         v = max_value - k if descending else k
         for i in range(starts[k], starts[k + 1]):
@@ -161,15 +195,19 @@ def block_sources(blocks, bounds):  # pragma: no cover - compiled
     return src, size
 
 
+def copy_blocks(src: np.ndarray, size: np.ndarray, column: np.ndarray) -> np.ndarray:
+    """``column[src[0]:src[0]+size[0]]``, then the next chunk, and so on, into one new array."""
+    return _copy_blocks(src, size, column, empty(int(size.sum()), column.dtype))
+
+
 @njit(cache=True, nogil=True)
-def copy_blocks(src, size, column):  # pragma: no cover - compiled
-    """``column[src[0]:src[0]+size[0]]``, then the next chunk, and so on, into one new array.
+def _copy_blocks(src, size, column, out):  # pragma: no cover - compiled
+    """:func:`copy_blocks` into ``out``.
 
     Unsigned indices let LLVM vectorise the copy of each chunk (signed ones carry numba's
     negative-index check): fewer instructions per chunk let the CPU keep many chunks' cache misses in
     flight, which is what a gather of short chunks costs.
     """
-    out = np.empty(size.sum(), dtype=column.dtype)
     p = np.uint64(0)
     for k in range(src.shape[0]):
         s = np.uint64(src[k])
@@ -180,12 +218,16 @@ def copy_blocks(src, size, column):  # pragma: no cover - compiled
     return out
 
 
-@njit(cache=True, nogil=True)
-def sort_blocks_descending(values, block, max_value):  # pragma: no cover - compiled
+def sort_blocks_descending(values: np.ndarray, block: int, max_value: int) -> np.ndarray:
     """Within each consecutive block of ``block`` items, positions sorted by value, descending and
     stable (a counting sort per block: O(n + num_blocks * max_value))."""
+    return _sort_blocks_descending(values, block, max_value, empty(values.shape[0]))
+
+
+@njit(cache=True, nogil=True)
+def _sort_blocks_descending(values, block, max_value, out):  # pragma: no cover - compiled
+    """:func:`sort_blocks_descending` into ``out``."""
     n = values.shape[0]
-    out = np.empty(n, dtype=np.int64)
     counts = np.zeros(max_value + 2, dtype=np.int64)
     for lo in range(0, n, block):
         hi = min(lo + block, n)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from smart_batching.planners._kernels import empty
+
 _U64 = np.uint64
 _DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
 # _CTZ_TABLE[((x & -x) * _DEBRUIJN) >> 58] is the index of the lowest set bit of x.
@@ -64,8 +66,7 @@ def _next_set(l0, l1, v, table):  # pragma: no cover - compiled
     return w * 64 + _ctz(l0[w], table)
 
 
-@njit(cache=True, nogil=True)
-def best_fit_decreasing(sizes, capacity, table):  # pragma: no cover - compiled
+def best_fit_decreasing(sizes: np.ndarray, capacity: int, table: np.ndarray) -> tuple[np.ndarray, int]:
     """Best-fit over sizes sorted in decreasing order: each item goes to the fullest row it fits.
 
     Rows are kept in buckets by remaining capacity, with a two-level bitmap over the buckets, so
@@ -75,9 +76,16 @@ def best_fit_decreasing(sizes, capacity, table):  # pragma: no cover - compiled
         (row_of, num_rows): (n,) row index of each item (rows numbered in opening order), row count.
     """
     n = sizes.shape[0]
-    row_of = np.empty(n, dtype=np.int64)
+    row_of = empty(n)
+    return row_of, _best_fit_decreasing(sizes, capacity, table, row_of, empty(n + 1))
+
+
+@njit(cache=True, nogil=True)
+def _best_fit_decreasing(sizes, capacity, table, row_of, nxt):  # pragma: no cover - compiled
+    """:func:`best_fit_decreasing` into ``row_of``; ``nxt`` is scratch of n + 1 (next row in the same
+    bucket). Returns the row count."""
+    n = sizes.shape[0]
     head = np.full(capacity + 1, -1, dtype=np.int64)  # first row in each remaining-capacity bucket
-    nxt = np.empty(n + 1, dtype=np.int64)  # next row in the same bucket
     nw0 = (capacity + 64) // 64
     l0 = np.zeros(nw0, dtype=np.uint64)
     l1 = np.zeros((nw0 + 63) // 64, dtype=np.uint64)
@@ -99,22 +107,27 @@ def best_fit_decreasing(sizes, capacity, table):  # pragma: no cover - compiled
         nxt[row] = head[rem]
         head[rem] = row
         _set_bit(l0, l1, rem)
-    return row_of, num_rows
+    return num_rows
 
 
-@njit(cache=True, nogil=True)
-def first_fit_decreasing(sizes, capacity, max_rows):  # pragma: no cover - compiled
+def first_fit_decreasing(sizes: np.ndarray, capacity: int, max_rows: int) -> tuple[np.ndarray, int]:
     """First-fit over sizes sorted in decreasing order: each item goes to the first row it fits.
 
     A max-segment-tree over ``max_rows`` row slots (unopened rows hold the full capacity) finds the
     leftmost row with enough room in O(log rows).
     """
+    row_of = empty(sizes.shape[0])
+    return row_of, _first_fit_decreasing(sizes, capacity, max_rows, row_of)
+
+
+@njit(cache=True, nogil=True)
+def _first_fit_decreasing(sizes, capacity, max_rows, row_of):  # pragma: no cover - compiled
+    """:func:`first_fit_decreasing` into ``row_of``; returns the row count."""
     n = sizes.shape[0]
     size = 1
     while size < max_rows:
         size *= 2
     tree = np.full(2 * size, capacity, dtype=np.int64)
-    row_of = np.empty(n, dtype=np.int64)
     num_rows = 0
     for i in range(n):
         s = sizes[i]
@@ -132,11 +145,12 @@ def first_fit_decreasing(sizes, capacity, max_rows):  # pragma: no cover - compi
             b = tree[2 * node + 1]
             tree[node] = a if a > b else b
             node //= 2
-    return row_of, num_rows
+    return num_rows
 
 
-@njit(cache=True, nogil=True)
-def group_by_row(row_of, num_rows, ids, sizes):  # pragma: no cover - compiled
+def group_by_row(
+    row_of: np.ndarray, num_rows: int, ids: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Counting sort of items by row, items of a row in input order.
 
     Returns:
@@ -144,20 +158,26 @@ def group_by_row(row_of, num_rows, ids, sizes):  # pragma: no cover - compiled
         (num_rows + 1,) offsets.
     """
     n = row_of.shape[0]
+    out_ids, out_sizes = empty(n), empty(n)
+    return out_ids, out_sizes, _group_by_row(row_of, num_rows, ids, sizes, out_ids, out_sizes)
+
+
+@njit(cache=True, nogil=True)
+def _group_by_row(row_of, num_rows, ids, sizes, out_ids, out_sizes):  # pragma: no cover - compiled
+    """:func:`group_by_row` into ``out_ids`` and ``out_sizes``; returns the row offsets."""
+    n = row_of.shape[0]
     offsets = np.zeros(num_rows + 1, dtype=np.int64)
     for i in range(n):
         offsets[row_of[i] + 1] += 1
     for r in range(num_rows):
         offsets[r + 1] += offsets[r]
     fill = offsets[:-1].copy()
-    out_ids = np.empty(n, dtype=np.int64)
-    out_sizes = np.empty(n, dtype=np.int64)
     for i in range(n):
         r = row_of[i]
         out_ids[fill[r]] = ids[i]
         out_sizes[fill[r]] = sizes[i]
         fill[r] += 1
-    return out_ids, out_sizes, offsets
+    return offsets
 
 
 @njit(cache=True, nogil=True)
@@ -217,8 +237,14 @@ def _highest_at_most(bits, v):  # pragma: no cover - compiled
     return w * 64 + hi
 
 
+def fill_rows(sizes: np.ndarray, capacity: int, window: int) -> tuple[np.ndarray, int]:
+    """Row-by-row exact filling by subset sum (see :func:`_fill_rows`): ``(row_of, num_rows)``."""
+    row_of = np.zeros(sizes.shape[0], dtype=np.int64)
+    return row_of, _fill_rows(sizes, capacity, window, row_of)
+
+
 @njit(cache=True, nogil=True)
-def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
+def _fill_rows(sizes, capacity, window, row_of):  # pragma: no cover - compiled
     """Row-by-row exact filling ("minimum bin slack" by subset sum) over sizes sorted decreasing.
 
     Each row takes the longest example left, then the multiset of remaining examples that fills the rest
@@ -231,11 +257,9 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
     through a union-find, so a row costs O(log d) plus its subset sum, not O(d) over all d distinct
     sizes; the subset-sum layers grow on demand (memory O(layers used × gap / 64 words)).
 
-    Returns:
-        (row_of, num_rows) as :func:`best_fit_decreasing`.
+    Fills ``row_of`` (zeros on entry) and returns the row count.
     """
     n = sizes.shape[0]
-    row_of = np.zeros(n, dtype=np.int64)
     # Distinct sizes, descending, with the run of items holding each: sizes[run_start[d]:run_end[d]].
     nd = 0
     for i in range(n):
@@ -348,4 +372,4 @@ def fill_rows(sizes, capacity, window):  # pragma: no cover - compiled
             t -= c * vals[dd]
     if zero_items and num_rows == 0:
         num_rows = 1
-    return row_of, num_rows
+    return num_rows
