@@ -370,6 +370,19 @@ def format_long_context(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def transparent_hugepages() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``; None off Linux).
+    The planners' large arrays are allocated by numpy, which asks for huge pages: with ``never`` each
+    fresh 80 MB array costs about four times as much to first touch, and ``packed`` at 10M measured
+    0.79x argsort instead of 0.47x (benchmarks/RESULTS.md)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None
+
+
 def env_info() -> dict[str, Any]:
     info = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -377,6 +390,7 @@ def env_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "transparent_hugepages": transparent_hugepages(),
     }
     for mod in ("numba", "transformers", "trl", "datasets"):
         try:
@@ -546,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             "real lengths"
         )
         print(
-            f"machine: {env['machine']}, {env['cpus']} CPUs (load {env['load_avg_1m']}); python {env['python']}, numpy {env['numpy']}, "
+            f"machine: {env['machine']}, {env['cpus']} CPUs (load {env['load_avg_1m']}, transparent huge pages "
+            f"{env['transparent_hugepages']}); python {env['python']}, numpy {env['numpy']}, "
             f"numba {env['numba']}, transformers {env['transformers']}, trl {env['trl']}"
         )
         print(format_table(records))
