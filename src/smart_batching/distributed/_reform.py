@@ -27,6 +27,7 @@ from smart_batching.distributed._tuning import (
     BALANCE_TOLERANCE,
     FILL_RETRIES,
     FILL_TOLERANCE,
+    GIVE_UP_INFEASIBLE,
     GIVE_UP_LEVELS,
     GIVE_UP_SEGMENTS,
     HALVE_CANDIDATES,
@@ -281,6 +282,10 @@ class Reformer:
             empty = [mb for mb in load if not mb.segs]
             bound = target - have - max(0, len(empty) - 1) * pool.costs[0]
             order = empty[:1] or sorted(load, key=lambda mb: mb.cost)
+            # What the other micro-batches of the load could still reach, for each micro-batch: the
+            # load only changes between picks, so once per pick, not once per probe (same sums).
+            room = [m.cost + self._headroom(m) for m in load]
+            other_of = {id(mb): sum(r for m, r in zip(load, room, strict=True) if m is not mb) for mb in load}
             picks: list[tuple[int, _Batch] | None] = [None, None, None]  # tight, loose, fallback
             for j in _probes(pool, bound):
                 seg, c = pool.segs[j], pool.costs[j]
@@ -294,8 +299,7 @@ class Reformer:
                 after = self.limits.headroom(
                     len(mb.segs) + 1, mb.tokens + n, max(mb.longest, n), self.cost_of_length
                 )
-                other = sum(m.cost + self._headroom(m) for m in load if m is not mb)
-                reach = other + mb.cost + c + after
+                reach = other_of[id(mb)] + mb.cost + c + after
                 for level, bar in enumerate((floor, loose)):
                     if picks[level] is None and reach >= bar:
                         picks[level] = (j, mb)
@@ -548,7 +552,9 @@ def reform_uneven(
     """Dissolve the uneven steps with their neighbours in cost order (1, 2, 4, ... on each side) and the
     finest steps, and form as many new steps from their segments. Only when no such result is within
     :data:`REFORM_TOLERANCE` are up to ``max_extra_steps`` more steps allowed (None: as many as it takes) (a long example alone in a
-    token budget leaves its step light, so the others may not hold the rest). The first result within
+    token budget leaves its step light, so the others may not hold the rest); pool sizes that cannot
+    hold their segments in as many steps at all, :data:`GIVE_UP_INFEASIBLE` in a row, end the search
+    at the same step count early. The first result within
     tolerance wins, else the most even one that beats the old steps. ``unit_max``: (num_units,) the
     costliest segment of each unit (:func:`unit_max_costs`), computed from ``unit_segs`` when None.
     Returns (dissolved steps, new steps) or None."""
@@ -567,9 +573,12 @@ def reform_uneven(
     budget = MAX_REFORM_SEGMENTS * REFORM_BUDGET_RANKS // max(reformer.world_size, REFORM_BUDGET_RANKS)
     best: tuple[np.ndarray, list[list[Load]]] | None = None
     best_score = float(imbalance[uneven].max())
-    for extra in sorted({0, num_steps if max_extra_steps is None else max_extra_steps}):
-        reach, spent, worse = 1, 0, 0
+    extras = sorted({0, num_steps if max_extra_steps is None else max_extra_steps})
+    for extra in extras:
+        reach, spent, worse, infeasible = 1, 0, 0, 0
         while worse < GIVE_UP_LEVELS or spent < GIVE_UP_SEGMENTS:
+            if infeasible >= GIVE_UP_INFEASIBLE and extra != extras[-1]:
+                break  # the same step count cannot hold these segments: allow extra steps
             # The steps near the uneven ones hold segments like theirs; the finest steps hold what
             # evens the last new steps out.
             chosen = np.union1d(np.flatnonzero(distance <= reach), finest[:reach])
@@ -580,6 +589,7 @@ def reform_uneven(
                 break
             steps = reformer.reform(segs, chosen.shape[0], chosen.shape[0] + extra)
             worse += 1  # larger pools hold more of the long tail: stop when they stop helping
+            infeasible = infeasible + 1 if steps is None else 0
             if steps is not None:
                 score = max(reformer.imbalance(step) for step in steps)
                 if score < best_score:

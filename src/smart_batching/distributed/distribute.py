@@ -438,6 +438,15 @@ def _reform_uneven(
     uneven = np.flatnonzero(imbalance > REFORM_TOLERANCE)
     if not uneven.size:
         return assignment
+    # The mixer once more over its own result, keeping whatever evens a step out further (compiled: a
+    # fraction of a second). Where that brings every step within tolerance with no slot left empty,
+    # the Python re-forming below (seconds on a few thousand segments) has nothing left to do.
+    saved = (mbs.order, mbs.start, mbs.end, mbs.costs)
+    rc = _rank_costs(assignment, mbs.costs)
+    again, again_imbalance = _mix_uneven(assignment.copy(), rc, mbs, seg_cost, reformer, np.inf)
+    if not (again_imbalance > REFORM_TOLERANCE).any() and not (again < 0).any():
+        return again
+    mbs.order, mbs.start, mbs.end, mbs.costs = saved
     found = reform_uneven(
         assignment, mbs.segments, uneven, reformer, imbalance, max_extra_steps,
         unit_max_costs(seg_cost, mbs.order, mbs.start, mbs.end),
