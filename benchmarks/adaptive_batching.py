@@ -29,6 +29,7 @@ Usage::
 
     python benchmarks/adaptive_batching.py --quick     # 96 examples, 1 seed
     python benchmarks/adaptive_batching.py --json      # 384 examples, 3 seeds, JSON lines
+    python benchmarks/adaptive_batching.py --overhead 4 --examples 96   # back-off overhead alone, 4 pairs
 """
 
 from __future__ import annotations
@@ -143,6 +144,35 @@ def table(rows: list[dict[str, Any]], base_variant: str, variants: list[str]) ->
     return "\n".join(lines)
 
 
+def overhead(common: dict[str, Any], seed: int, pairs: int, as_json: bool, say: Any) -> int:
+    """``pairs`` × (plain run, run with ``oom_backoff=True`` and nothing failing), alternated; prints
+    each pair's ratio of real tokens per CPU second and per wall second, and their median."""
+    common = {**common, "seeds": (seed,)}
+    rows: list[dict[str, Any]] = []
+    for k in range(pairs):
+        for variant, extra in (("plain", {}), ("backoff on, no failure", {"oom_backoff": True})):
+            (record,) = bench(common, variant, **extra)
+            row = summarise(record)
+            row["pair"] = k
+            rows.append(row)
+            if as_json:
+                print(json.dumps(row), flush=True)
+    ratios = []
+    for k in range(pairs):
+        plain, on = (r for r in rows if r["pair"] == k)
+        ratios.append((on["tokens_per_cpu_second"] / plain["tokens_per_cpu_second"],
+                       on["tokens_per_second"] / plain["tokens_per_second"], on["num_steps"], on["load_average_start"]))  # fmt: skip
+    say("\npair | back-off on / plain, per CPU s | per wall s | steps | load")
+    say("---|---|---|---|---")
+    for k, (cpu, wall, steps, load) in enumerate(ratios):
+        say(f"{k} | {cpu:.3f} | {wall:.3f} | {steps} | {load}")
+    cpu = np.array([r[0] for r in ratios])
+    say(
+        f"median per CPU s {np.median(cpu):.3f} (min {cpu.min():.3f}, max {cpu.max():.3f}) over {pairs} pairs"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=384, help="training examples (default 384)")
@@ -161,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         "still hold the longest example)",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady CPU times)")
+    ap.add_argument(
+        "--overhead", type=int, default=0, metavar="K",
+        help="only the back-off's overhead with nothing failing: K pairs of runs, plain then oom_backoff=True "
+        "(first seed), alternated so that drift in the machine's speed falls on both; the ratio per pair",
+    )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="96 examples, 1 seed, 1 epoch")
     ap.add_argument("--json", action="store_true", help="one JSON record per run per line")
     args = ap.parse_args(argv)
@@ -178,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         f"data {data}, {args.examples} examples x {args.epochs} epoch(s), seeds {list(seeds)}, load {os.getloadavg()[0]:.1f}"
     )
     started = time.perf_counter()
+    if args.overhead:
+        return overhead(common, seeds[0], args.overhead, args.json, say)
 
     ramp_text = f"linear:{args.start}->{args.final}@{args.ramp:g}%"
     runs = bench(common, "final size", batch_schedule=f"0:{args.final}", schedule_unit="tokens")
