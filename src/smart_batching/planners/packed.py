@@ -4,9 +4,9 @@ Sort by length, descending (ties at random, radix sort), then best-fit-decreasin
 the fullest row it still fits, found through buckets of rows keyed by remaining capacity and a two-level
 bitmap over the buckets: O(n) plus O(1) word operations per example. First-fit-decreasing is available
 for comparison (a segment tree over rows, O(n log rows)). Rows are shuffled and grouped
-``rows_per_batch`` to a batch. 10M examples at capacity 4096 plan in under 0.75x the time of numpy's
-stable argsort of their lengths after compile warm-up, against minutes for TRL's BFD
-(``benchmarks/planner_speed.py``).
+``rows_per_batch`` to a batch. 10M examples at capacity 4096 plan in about 0.47x the time of numpy's
+stable argsort of their lengths after compile warm-up (0.39 s on a 2-core EPYC with transparent huge
+pages), against minutes for TRL's BFD (``benchmarks/planner_speed.py``).
 
 ``auto`` also fills rows exactly (subset sum on bitsets over the distinct sizes, O(log d) plus the
 subset sum per row) and repairs the plan by large-neighbourhood search, whose work is bounded linearly
