@@ -446,22 +446,25 @@ def _reform_uneven(
     again, again_imbalance = _mix_uneven(assignment.copy(), rc, mbs, seg_cost, reformer, np.inf)
     if not (again_imbalance > REFORM_TOLERANCE).any() and not (again < 0).any():
         return again
+    mixed_again = (mbs.order, mbs.start, mbs.end, mbs.costs)
     mbs.order, mbs.start, mbs.end, mbs.costs = saved
     found = reform_uneven(
         assignment, mbs.segments, uneven, reformer, imbalance, max_extra_steps,
         unit_max_costs(seg_cost, mbs.order, mbs.start, mbs.end),
     )  # fmt: skip
-    if found is not None:
-        dissolved, new_steps = found
-        loads = [mb.segs for step in new_steps for load in step for mb in load]
-        ids = mbs.add(
-            np.array([s for mb in loads for s in mb], dtype=np.int64),
-            np.array([len(mb) for mb in loads]),
-            seg_cost,
-        )
-        kept = np.ones(assignment.shape[0], dtype=bool)
-        kept[dissolved] = False
-        assignment = np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
+    if found is None:  # the mixer's most even is the second pass above: the same input, kept
+        mbs.order, mbs.start, mbs.end, mbs.costs = mixed_again
+        return again
+    dissolved, new_steps = found
+    loads = [mb.segs for step in new_steps for load in step for mb in load]
+    ids = mbs.add(
+        np.array([s for mb in loads for s in mb], dtype=np.int64),
+        np.array([len(mb) for mb in loads]),
+        seg_cost,
+    )
+    kept = np.ones(assignment.shape[0], dtype=bool)
+    kept[dissolved] = False
+    assignment = np.concatenate([assignment[kept], ids.reshape(len(new_steps), *assignment.shape[1:])])
     rc = _rank_costs(assignment, mbs.costs)
     if (rc.max(axis=1) > REFORM_TOLERANCE * rc.mean(axis=1)).any():  # the mixer's most even, at last
         assignment, _ = _mix_uneven(assignment, rc, mbs, seg_cost, reformer, np.inf)
