@@ -85,3 +85,32 @@ def test_plan_columns_are_numpy_arrays(sizes: np.ndarray, strategy: str) -> None
     plan = plan_batches(sizes, strategy, seed=1)
     for column in (plan.example_ids, plan.seg_lengths, plan.batch_offsets):
         assert not numba_allocated(column), strategy
+
+
+def test_lay_out_writes_into_spare_arrays(sizes: np.ndarray) -> None:
+    """A planner's spare arrays take the laid-out columns (no fresh memory to first-touch), with the
+    same plan as without them; a spare that overlaps a column or the caller's lengths is not used."""
+    from smart_batching.plan import Batches, Segments
+    from smart_batching.planners._common import lay_out
+
+    n = sizes.shape[0]
+    rng = np.random.default_rng(2)
+    example, length = rng.permutation(n), sizes.copy()
+    offsets = np.arange(0, n + 1, 100)
+    bo = rng.permutation(offsets.shape[0] - 1)
+    segments = Segments(example, np.zeros(n, dtype=np.int64), length)
+    batches = Batches(offsets, np.full(bo.shape[0], 300), None, batch_order=bo)
+    want, want_batches = lay_out(segments, batches)
+    spare = (np.full(n, -1), np.full(n, -1), np.full(n, -1))
+    got, got_batches = lay_out(segments, batches, spare=spare)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(w, g)
+    np.testing.assert_array_equal(want_batches.batch_offsets, got_batches.batch_offsets)
+    assert sum(any(np.shares_memory(c, s) for s in spare) for c in got) == 3  # example, start, length
+    overlapping = (example, length)  # the columns themselves
+    got, _ = lay_out(segments, batches, spare=overlapping)
+    assert not any(np.shares_memory(c, s) for c in got for s in overlapping)
+    np.testing.assert_array_equal(got.example, want.example)
+    theirs = np.full(n, -1)  # the caller's lengths
+    got, _ = lay_out(segments, batches, protect=theirs, spare=(theirs,))
+    assert not any(np.shares_memory(c, theirs) for c in got) and (theirs == -1).all()

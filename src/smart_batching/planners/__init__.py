@@ -225,7 +225,7 @@ def plan_batches(
     batches = parts.batches
     if spec.leads_with_costliest():  # the batch that fills memory most goes first
         batches = lead_with_costliest(spec, batches, parts.segments.length)
-    segments, batches = lay_out(parts.segments, batches, protect=lengths)
+    segments, batches = lay_out(parts.segments, batches, protect=lengths, spare=parts.spare)
     return BatchPlan(
         segments=segments,
         batches=batches,

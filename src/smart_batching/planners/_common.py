@@ -38,6 +38,9 @@ class PlanParts(NamedTuple):
         overlong: what the overlong policy (and ``drop_last``) left out or cut.
         capacity: tokens per packed row, for the plan's statistics (None: rows are padded).
         lower_bound_rows: fewest rows of ``capacity`` that could hold the data (packing).
+        spare: int64 arrays the planner made and no longer needs, each written in full: :func:`lay_out`
+            writes the laid-out columns into them instead of new arrays (first touching fresh memory
+            is most of a copy's cost where the kernel gives no huge pages).
     """
 
     segments: Segments
@@ -45,6 +48,7 @@ class PlanParts(NamedTuple):
     overlong: OverlongCounts
     capacity: int | None = None
     lower_bound_rows: int | None = None
+    spare: tuple[np.ndarray, ...] = ()
 
 
 def apply_overlong(
@@ -291,7 +295,11 @@ def permute_batches(
 
 
 def lay_out(
-    segments: Segments, batches: Batches, *, protect: np.ndarray | None = None
+    segments: Segments,
+    batches: Batches,
+    *,
+    protect: np.ndarray | None = None,
+    spare: tuple[np.ndarray, ...] = (),
 ) -> tuple[Segments, Batches]:
     """The plan laid out: the table in plan order and the batches over it (no ``order``, no ``batch_order``).
 
@@ -311,15 +319,31 @@ def lay_out(
     if order is not None:  # a planner that cut positions of its table: take them first
         segments = segments.take(order)
     src, size = block_sources(bo, batches.bounds)
+    total = int(size.sum())
+    columns = [c for c in segments if c is not None]
+    free = [
+        a
+        for a in spare
+        if a.shape == (total,)
+        and a.dtype == np.int64
+        and a.flags.writeable
+        and not any(np.may_share_memory(a, c) for c in columns)
+        and (protect is None or not np.may_share_memory(a, protect))
+    ]
+
+    def copy(column: np.ndarray) -> np.ndarray:
+        out = free.pop() if free and column.dtype == np.int64 else None
+        return copy_blocks(src, size, column, out)
+
     start = segments.start
     # Every start 0 (a broadcast zero, see in_order): nothing to copy.
-    start = zeros(int(size.sum())) if start.strides == (0,) else copy_blocks(src, size, start)
+    start = zeros(total) if start.strides == (0,) else copy(start)
     whole = segments.example_length
     table = Segments(
-        copy_blocks(src, size, segments.example),
+        copy(segments.example),
         start,
-        copy_blocks(src, size, segments.length),
-        None if whole is None else copy_blocks(src, size, whole),
+        copy(segments.length),
+        None if whole is None else copy(whole),
     )
     rows = None
     if batches.row_offsets is not None:

@@ -195,9 +195,12 @@ def block_sources(blocks, bounds):  # pragma: no cover - compiled
     return src, size
 
 
-def copy_blocks(src: np.ndarray, size: np.ndarray, column: np.ndarray) -> np.ndarray:
-    """``column[src[0]:src[0]+size[0]]``, then the next chunk, and so on, into one new array."""
-    return _copy_blocks(src, size, column, empty(int(size.sum()), column.dtype))
+def copy_blocks(
+    src: np.ndarray, size: np.ndarray, column: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``column[src[0]:src[0]+size[0]]``, then the next chunk, and so on, into one new array (or into
+    ``out``, of ``size.sum()`` items of ``column``'s dtype, which must not overlap ``column``)."""
+    return _copy_blocks(src, size, column, empty(int(size.sum()), column.dtype) if out is None else out)
 
 
 @njit(cache=True, nogil=True)

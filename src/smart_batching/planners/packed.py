@@ -322,4 +322,5 @@ def plan_packed(lengths: np.ndarray, spec: PackedSpec, rng: np.random.Generator)
         counts,
         capacity=spec.capacity,
         lower_bound_rows=packing_lower_bound(seg_len, spec.capacity),
+        spare=(by_size, sizes),  # the sorted order and lengths: grouped by row above, free now
     )
