@@ -374,7 +374,7 @@ def transparent_hugepages() -> str | None:
     """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``; None off Linux).
     The planners' large arrays are allocated by numpy, which asks for huge pages: with ``never`` each
     fresh 80 MB array costs about four times as much to first touch, and ``packed`` at 10M measured
-    0.79x argsort instead of 0.47x (benchmarks/RESULTS.md)."""
+    0.69x argsort instead of 0.47x (benchmarks/RESULTS.md)."""
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
