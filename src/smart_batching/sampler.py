@@ -34,7 +34,7 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,26 @@ def _with_window(row: Mapping[str, Any], seg: Segment) -> dict[str, Any]:
     out["segment_start"] = seg.start
     out["segment_length"] = seg.length
     return out
+
+
+def iterate_epoch(
+    owner: Any, num_batches: int, keys_at: Callable[[int], Any], start: int, generation: int
+) -> Iterator[Any]:
+    """The rest of an epoch from batch ``start``: ``keys_at(b)`` for each batch, moving ``owner``'s cursor
+    (``_batches_yielded``, then ``_epoch`` at the end) only while ``generation`` is its newest
+    (``_generation``: bumped by ``iter``, ``set_epoch`` and ``load_state_dict``, so an abandoned
+    iterator moves nothing). The samplers' one cursor loop (this module's, the distributed and the
+    step samplers')."""
+    for b in range(start, num_batches):
+        keys = keys_at(b)
+        if generation == owner._generation:
+            # Move the cursor before handing the batch out: a state_dict taken while the batch is in
+            # use counts it as yielded (what StatefulDataLoader expects).
+            owner._batches_yielded = b + 1
+        yield keys
+    if generation == owner._generation:
+        owner._epoch += 1
+        owner._batches_yielded = 0
 
 
 class SmartBatchSampler(Sampler[list[int]]):
@@ -209,16 +229,7 @@ class SmartBatchSampler(Sampler[list[int]]):
         return self._iterate(self._current_plan(), self._batches_yielded, self._generation)
 
     def _iterate(self, plan: BatchPlan, start: int, generation: int) -> Iterator[list[Any]]:
-        for b in range(start, len(plan)):
-            keys = self.batch_keys(plan, b)
-            if generation == self._generation:
-                # Move the cursor before handing the batch out: a state_dict taken while the batch is
-                # in use counts it as yielded (what StatefulDataLoader expects).
-                self._batches_yielded = b + 1
-            yield keys
-        if generation == self._generation:
-            self._epoch += 1
-            self._batches_yielded = 0
+        yield from iterate_epoch(self, len(plan), lambda b: self.batch_keys(plan, b), start, generation)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` at its first batch; a no-op when it is already the current epoch."""

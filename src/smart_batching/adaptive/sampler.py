@@ -27,6 +27,7 @@ from torch.utils.data import Sampler
 from smart_batching.adaptive.realise import SteppedPlan, realise, segment_weights
 from smart_batching.adaptive.schedule import BatchSchedule, schedule_unit
 from smart_batching.errors import ConfigError
+from smart_batching.sampler import iterate_epoch
 
 
 class StepBatchSampler(Sampler[list[list[Any]]]):
@@ -116,14 +117,7 @@ class StepBatchSampler(Sampler[list[list[Any]]]):
 
     def _iterate(self, start: int, generation: int) -> Iterator[list[list[Any]]]:
         sp = self.stepped_plan()
-        for s in range(start, sp.num_steps):
-            keys = self.step_keys(sp, s)
-            if generation == self._generation:
-                self._batches_yielded = s + 1
-            yield keys
-        if generation == self._generation:
-            self._epoch += 1
-            self._batches_yielded = 0
+        yield from iterate_epoch(self, sp.num_steps, lambda s: self.step_keys(sp, s), start, generation)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` at its first step; a no-op when it is already the current epoch."""

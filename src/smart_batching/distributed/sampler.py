@@ -35,7 +35,7 @@ from smart_batching.errors import ConfigError
 from smart_batching.plan import BatchPlan
 from smart_batching.planners import plan_batches
 from smart_batching.sampler import STATE_FIELDS as BASE_STATE_FIELDS
-from smart_batching.sampler import SmartBatchSampler, check_state_fields
+from smart_batching.sampler import SmartBatchSampler, check_state_fields, iterate_epoch
 
 # The base cursor's fields and the world it was saved on (see smart_batching.sampler.STATE_FIELDS).
 STATE_FIELDS = {
@@ -127,14 +127,13 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
     def _iterate_rank(self, start: int, generation: int) -> Iterator[list[Any]]:
         d = self.distributed_plan()
         micro_batches = d.rank_micro_batches(self.world.rank)
-        for b in range(start, micro_batches.shape[0]):
-            keys = self._micro_batch_keys(d, int(micro_batches[b]))
-            if generation == self._generation:
-                self._batches_yielded = b + 1
-            yield keys
-        if generation == self._generation:
-            self._epoch += 1
-            self._batches_yielded = 0
+        yield from iterate_epoch(
+            self,
+            micro_batches.shape[0],
+            lambda b: self._micro_batch_keys(d, int(micro_batches[b])),
+            start,
+            generation,
+        )
 
     # -- state --------------------------------------------------------------------------------------
 
