@@ -12,13 +12,14 @@ frees and trims the heap before each run.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import platform
 import sys
 import threading
 import time
 from typing import Any
+
+from smart_batching.adaptive.backoff import free_memory
 
 
 def cpu_model() -> str:
@@ -120,15 +121,9 @@ def machine_line(machine: dict[str, Any]) -> str:
 
 
 def release_memory() -> None:
-    """Collect garbage, empty the CUDA cache and hand freed heap back to the OS (glibc ``malloc_trim``)."""
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover
-        pass
+    """Collect garbage, empty the CUDA cache (:func:`~smart_batching.adaptive.backoff.free_memory`) and
+    hand freed heap back to the OS (glibc ``malloc_trim``)."""
+    free_memory()
     if sys.platform.startswith("linux"):
         try:
             import ctypes
