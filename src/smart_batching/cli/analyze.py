@@ -84,6 +84,27 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def add_adaptive_options(p: Any, *, schedule_note: str = "") -> None:
+    """The adaptive batch-size settings shared by ``train`` and ``bench`` (``p``: a parser or an argument
+    group); ``schedule_note`` ends ``--batch-schedule``'s help (what the command needs besides)."""
+    p.add_argument(
+        "--batch-schedule", default=None, metavar="SCHEDULE",
+        help="tokens (token_budget, packed) or examples (fixed-size strategies) per optimizer step as a "
+        "function of what was seen, e.g. 'linear:4096->32768@20%%' or '0:4k 1M:16k' (see "
+        "smart_batching.adaptive.schedule); each step runs as many micro-batches of the strategy's budget "
+        f"as it needs{schedule_note}",
+    )  # fmt: skip
+    p.add_argument(
+        "--lr-scaling", choices=("sqrt", "linear"), default=None,
+        help="with --batch-schedule: scale each step's learning rate by (size / first size) ** 1/2 (Adam) or ** 1",
+    )  # fmt: skip
+    p.add_argument(
+        "--oom-backoff", action="store_true",
+        help="split a micro-batch that runs out of memory within its optimizer step and keep the lower budget "
+        "(the Trainer's oom_backoff)",
+    )  # fmt: skip
+
+
 def add_analysis_options(p: argparse.ArgumentParser) -> None:
     """The planning settings shared by ``analyze`` and ``demo``."""
     g = p.add_argument_group("settings")

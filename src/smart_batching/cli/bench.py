@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from smart_batching.cli.analyze import non_negative_int, positive_float, positive_int
+from smart_batching.cli.analyze import add_adaptive_options, non_negative_int, positive_float, positive_int
 from smart_batching.planners import STRATEGIES
 
 DEFAULT_OUT = "out/bench"
@@ -143,22 +143,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "1 gives steady CPU-time figures on a shared machine)",
     )  # fmt: skip
     a = p.add_argument_group("adaptive batch size")
-    a.add_argument(
-        "--batch-schedule", default=None, metavar="SCHEDULE",
-        help="tokens (token_budget, packed) or examples (the others) per optimizer step as a function of what "
-        "was seen, e.g. 'linear:2048->16384@20%%' (see smart_batching.adaptive.schedule)",
-    )  # fmt: skip
+    add_adaptive_options(a)
     a.add_argument(
         "--schedule-unit", choices=("tokens", "examples"), default=None,
         help="count --batch-schedule in this unit for every strategy (default: each strategy's own)",
-    )  # fmt: skip
-    a.add_argument(
-        "--lr-scaling", choices=("sqrt", "linear"), default=None,
-        help="with --batch-schedule: scale each step's learning rate by (size / first size) ** 1/2 or ** 1",
-    )  # fmt: skip
-    a.add_argument(
-        "--oom-backoff", action="store_true",
-        help="split a micro-batch that runs out of memory within its optimizer step (the Trainer's oom_backoff)",
     )  # fmt: skip
     e = p.add_argument_group("evaluation")
     e.add_argument(

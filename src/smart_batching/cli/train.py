@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from smart_batching.cli.analyze import positive_float, positive_int
+from smart_batching.cli.analyze import add_adaptive_options, positive_float, positive_int
 from smart_batching.errors import ConfigError
 
 
@@ -67,20 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs)")
     p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient-accumulation micro-batches")
-    p.add_argument(
-        "--batch-schedule", default=None, metavar="SCHEDULE",
-        help="tokens (token_budget, packed) or examples (fixed-size strategies) per optimizer step as a "
-        "function of what was seen, e.g. 'linear:4096->32768@20%%' or '0:4k 1M:16k'; each step runs as many "
-        "micro-batches of the strategy's budget as it needs (needs --grad-accum 1)",
-    )  # fmt: skip
-    p.add_argument(
-        "--lr-scaling", choices=("sqrt", "linear"), default=None,
-        help="with --batch-schedule: scale each step's learning rate by (size / first size) ** 1/2 (Adam) or ** 1",
-    )  # fmt: skip
-    p.add_argument(
-        "--oom-backoff", action="store_true",
-        help="split a micro-batch that runs out of memory within its optimizer step and keep the lower budget",
-    )  # fmt: skip
+    add_adaptive_options(p, schedule_note=" (needs --grad-accum 1)")
     p.add_argument("--lr", type=positive_float, default=5e-4, help="learning rate (> 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="output folder (checkpoints, trainer state)")
