@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -23,9 +23,7 @@ WORKER = Path(__file__).resolve().parent / "adaptive_ddp_worker.py"
 
 def launch(out: Path, runs: list[dict], *args: str, nproc: int = 2) -> list[list[dict]]:
     """Run ``runs`` on ``nproc`` ranks; returns each run's records, one per rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
         "127.0.0.1", "--master_port", str(port), str(WORKER), "--out", str(out), "--runs", json.dumps(runs), *args,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -69,9 +69,7 @@ def _worker(rank: int, world_size: int, init: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_schedule_under_fsdp2_matches_one_process(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     out = tmp_path / "fsdp.json"
     mp.spawn(_worker, args=(2, init, str(out)), nprocs=2, join=True)
     reports = json.loads(out.read_text())

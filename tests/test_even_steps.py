@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 from smart_batching.distributed.even_steps import EvenSteps, null_batch
 from smart_batching.errors import ConfigError
@@ -130,14 +130,8 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, world_size: int) -> list[dict]:
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size, join=True)
+    mp.spawn(_rank_main, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.distributed import World, shutdown
@@ -119,9 +119,7 @@ def _reference(strategy: str, per_rank_micro: list[list[list[int]]]) -> dict[str
 
 
 def test_fsdp2_matches_one_process(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     out = tmp_path / "fsdp.json"
     mp.spawn(_worker, args=(2, init, str(out)), nprocs=2, join=True)
     reports = json.loads(out.read_text())
@@ -149,9 +147,7 @@ def _trainer_run(tmp_path: Path, *extra: str) -> tuple[list[dict], dict]:
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(port), str(root / "examples" / "ddp_trainer.py"), "--strategy", "packed",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ports import free_port
 from strategy_cases import cases
 from torch.utils.data import DataLoader
 
@@ -508,14 +508,8 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_gloo_exactly_once(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for key in reports[0]:
         per_rank = [r[key] for r in reports]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ports import free_port
 
 datasets = pytest.importorskip("datasets")
 
@@ -96,15 +97,12 @@ def test_trainer_on_two_processes_with_a_streamed_dataset(tmp_path, num_shards) 
     import json
     import math
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     num_examples, accum = 203, 2
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
