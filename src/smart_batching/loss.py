@@ -137,6 +137,11 @@ class _CrossEntropySum(torch.autograd.Function):
 _TINY = torch.finfo(torch.float32).tiny * 2**10
 
 
+def kept_targets(labels: torch.Tensor, positions: torch.Tensor, *, shift_labels: bool = True) -> torch.Tensor:
+    """``(rows, len(positions))`` the targets the logits at ``positions`` are scored against."""
+    return _targets(labels, shift_labels)[:, positions.to(labels.device)]
+
+
 def kept_token_loss_sum(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -154,7 +159,7 @@ def kept_token_loss_sum(
         shift_labels: Causal LM: the logit at position ``t`` is scored against ``labels[:, t + 1]``.
         ignore_index: Label value that is not a target.
     """
-    targets = _targets(labels, shift_labels)[:, positions.to(labels.device)]
+    targets = kept_targets(labels, positions, shift_labels=shift_labels)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     return _CrossEntropySum.apply(flat, targets.reshape(-1).to(logits.device), ignore_index)
 
@@ -331,6 +336,7 @@ __all__ = [
     "IGNORE_INDEX",
     "TokenLoss",
     "count_target_tokens",
+    "kept_targets",
     "kept_token_loss_sum",
     "linear_token_loss_sum",
     "target_positions",

@@ -14,7 +14,14 @@ from transformers import Trainer
 from smart_batching import compat
 from smart_batching.fallbacks import warn_fallback
 from smart_batching.hf.lm_head import FusedHead
-from smart_batching.loss import count_target_tokens, kept_token_loss_sum, target_positions
+from smart_batching.hf.precision import dtype_name
+from smart_batching.loss import (
+    IGNORE_INDEX,
+    count_target_tokens,
+    kept_targets,
+    kept_token_loss_sum,
+    target_positions,
+)
 
 logger = logging.getLogger("smart_batching.hf")
 
@@ -70,7 +77,7 @@ class TokenLossMixin:
         fused = None if return_outputs else self._fused_head(model)
         total = None
         if fused is not None:
-            kept = (targets[..., 1:] if shift else targets)[:, keep.to(targets.device)]
+            kept = kept_targets(targets, keep, shift_labels=shift)
             with FusedHead(fused, kept, metrics=self.smart_batching.trl_metrics) as head:
                 outputs = model(**inputs, logits_to_keep=keep)
             result = head.loss(outputs)
@@ -78,9 +85,9 @@ class TokenLossMixin:
                 self._fused_head_failed(head.reason)
             else:
                 total, entropy, correct, scored = result
-                self.smart_batching.precision.setdefault(
-                    "lm_head_matmul", str(head.matmul_dtype).removeprefix("torch.")
-                )
+                precision = self.smart_batching.precision
+                if "lm_head_matmul" not in precision:
+                    precision["lm_head_matmul"] = dtype_name(head.matmul_dtype)
                 if self.smart_batching.trl_metrics:
                     compat.log_trl_sft_metrics(self, inputs, entropy, correct, scored)
         if total is None:
@@ -100,14 +107,14 @@ class TokenLossMixin:
         """The LM head to fuse with the loss (:mod:`smart_batching.hf.lm_head`), or None to compute the
         logits at the target positions and the loss from them (decided once per trainer)."""
         state = self.smart_batching
+        if state.fused_head is False:
+            return None
+        head, reason = compat.plain_lm_head(self.accelerator.unwrap_model(model))
         if state.fused_head is None:
-            head, reason = compat.plain_lm_head(self.accelerator.unwrap_model(model))
             state.fused_head = head is not None
             if reason is not None:
                 logger.info("smart batching: the LM head is not fused with the loss: %s", reason)
-        if not state.fused_head:
-            return None
-        return compat.plain_lm_head(self.accelerator.unwrap_model(model))[0]
+        return head
 
     def _fused_head_failed(self, reason: str | None) -> None:
         """The forward did not return the fused loss as its logits: from now on the logits are computed,
@@ -126,12 +133,10 @@ class TokenLossMixin:
         """``SFTTrainer``'s entropy and token accuracy, from the logits at the target positions (the
         positions TRL's fused LM head scores), so they are the values TRL would log."""
         with torch.no_grad():
-            scored = (targets[..., 1:] if shift else targets)[
-                :, keep.to(targets.device)
-            ]  # as kept_token_loss_sum
+            scored = kept_targets(targets, keep, shift_labels=shift)
             flat = logits.reshape(-1, logits.shape[-1]).float()
             wanted = scored.reshape(-1).to(flat.device)
-            valid = wanted.ne(-100)
+            valid = wanted.ne(IGNORE_INDEX)
             flat, wanted = flat[valid], wanted[valid]
             logp = torch.log_softmax(flat, dim=-1)
             entropy = -(logp.exp() * logp).sum()

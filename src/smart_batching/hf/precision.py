@@ -30,7 +30,8 @@ _SLOW = {
 }
 
 
-def _name(dtype: Any) -> str | None:
+def dtype_name(dtype: Any) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (None stays None), as records name dtypes."""
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
@@ -48,8 +49,8 @@ def describe_precision(trainer: Any) -> dict[str, Any]:
         dtype = next((p.dtype for p in model.parameters()), None)
     device = trainer.args.device.type
     info: dict[str, Any] = {
-        "dtype": _name(dtype),
-        "autocast": _name(compat.trainer_autocast_dtype(trainer)),
+        "dtype": dtype_name(dtype),
+        "autocast": dtype_name(compat.trainer_autocast_dtype(trainer)),
         "checkpointing": compat.activation_checkpointing(trainer.args),
         "device": device,
     }
