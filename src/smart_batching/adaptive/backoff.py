@@ -274,9 +274,9 @@ def _document_bounds(inputs: Mapping[str, Any]) -> list[int]:
     total = int(inputs["input_ids"].shape[1])
     if "cu_seq_lens_q" in inputs:
         return [int(x) for x in inputs["cu_seq_lens_q"].tolist()]
-    pos = inputs["position_ids"][0]
-    starts = [0] + [int(i) for i in (pos[1:] != pos[:-1] + 1).nonzero().flatten().add(1).tolist()]
-    return starts + [total]
+    from smart_batching.attention._segments import segment_starts_from_position_ids
+
+    return segment_starts_from_position_ids(inputs["position_ids"][:1], 1).tolist() + [total]
 
 
 def _packed_piece(inputs: Mapping[str, Any], bounds: list[int], lo: int, hi: int) -> dict[str, Any]:

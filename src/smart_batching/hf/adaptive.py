@@ -407,10 +407,8 @@ class AdaptiveMixin:
         while True:
             model.zero_grad(set_to_none=True)
             try:
-                for mb in sb.step.batches[: sb.step.position]:
+                for mb in [*sb.step.batches[: sb.step.position], *done]:  # earlier micro-batches, then pieces
                     self._run_micro_batch(model, mb, num_items, final=False, replaying=True)
-                for piece in done:
-                    self._run_micro_batch(model, piece, num_items, final=False, replaying=True)
                 break
             except _GradientsLost:
                 continue
@@ -428,9 +426,8 @@ class AdaptiveMixin:
                 device=self.args.device,
             )
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            failed = bool(agreed[0].item())
-            budget = -int(agreed[1].item())
-            smallest = -int(agreed[2].item())
+            any_failed, neg_budget, neg_smallest = agreed.tolist()  # one copy to the host, not three
+            failed, budget, smallest = bool(any_failed), -neg_budget, -neg_smallest
             state.smallest_failed = None if smallest == _NO_BUDGET else smallest
             if budget != _NO_BUDGET and budget != state.budget:
                 state.budget = budget  # another rank backed off: every rank plans with the lowest budget
