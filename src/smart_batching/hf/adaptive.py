@@ -136,19 +136,20 @@ class AdaptiveMixin:
 
     def _schedule_steps(
         self, epochs: int | None, max_steps: int | None
-    ) -> tuple[list[int], list[np.ndarray]]:
+    ) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
         """Optimizer steps of each epoch the run trains (planned one epoch after another) until ``epochs``
-        epochs or ``max_steps`` steps, and the schedule's size at each of them."""
+        epochs or ``max_steps`` steps, and per epoch, at each of its steps: the schedule's size, the size
+        realised and the real tokens (all ranks)."""
         sampler = self.smart_batching.sampler
         counts: list[int] = []
-        sizes: list[np.ndarray] = []
+        steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         while (epochs is not None and len(counts) < epochs) or (
             max_steps is not None and sum(counts) < max_steps
         ):
             stepped = sampler.stepped_plan(len(counts))
             counts.append(stepped.num_steps)
-            sizes.append(stepped.step_targets)
-        return counts, sizes
+            steps.append((stepped.step_targets, stepped.step_weight, stepped.rank_step_tokens.sum(axis=1)))
+        return counts, steps
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
@@ -157,16 +158,19 @@ class AdaptiveMixin:
             return values
         epochs, _, examples, samples, total_batch, _, max_steps = values
         if args.max_steps > 0:
-            counts, sizes = self._schedule_steps(None, args.max_steps)
+            counts, steps = self._schedule_steps(None, args.max_steps)
             epochs, max_steps = len(counts), args.max_steps
         else:
             full = int(args.num_train_epochs)
             part = args.num_train_epochs - full  # a share of one more epoch
-            counts, sizes = self._schedule_steps(full + (part > 0), None)
+            counts, steps = self._schedule_steps(full + (part > 0), None)
             max_steps = sum(counts[:full]) + (math.ceil(part * counts[full]) if part > 0 else 0)
             epochs = math.ceil(args.num_train_epochs)
         sb.steps_per_epoch = counts
-        sb.step_sizes = np.concatenate(sizes)[:max_steps] if sizes else np.zeros(0, dtype=np.int64)
+        columns = (
+            zip(*steps, strict=True) if steps else ([np.zeros(0, dtype=np.int64)],) * 3
+        )  # sizes, realised, tokens
+        sb.step_sizes, sb.step_weights, sb.step_tokens = (np.concatenate(c)[:max_steps] for c in columns)
         # Trainer guesses a resumed epoch as global_step // steps_per_epoch: with the largest epoch that
         # guess is never past the true one (ResumeMixin._run_epoch finds the true one).
         per_epoch = max(counts)
@@ -183,18 +187,12 @@ class AdaptiveMixin:
         sb = self.smart_batching
         if sb.batch_schedule is None or not sb.steps_per_epoch:
             return None
-        out: dict[str, list[int]] = {"tokens": [], "size": [], "target": []}
-        left = int(self.state.global_step)
-        for e in range(len(sb.steps_per_epoch)):
-            if left <= 0:
-                break
-            sp = sb.sampler.stepped_plan(e)
-            n = min(left, sp.num_steps)
-            out["tokens"] += sp.rank_step_tokens.sum(axis=1)[:n].tolist()
-            out["size"] += sp.step_weight[:n].tolist()
-            out["target"] += sp.step_targets[:n].tolist()
-            left -= n
-        return out
+        n = int(self.state.global_step)  # planned at set-up (set_initial_training_values), not again
+        return {
+            "tokens": sb.step_tokens[:n].tolist(),
+            "size": sb.step_weights[:n].tolist(),
+            "target": sb.step_sizes[:n].tolist(),
+        }
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         scheduler = super().create_scheduler(num_training_steps, optimizer)

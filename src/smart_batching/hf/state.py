@@ -48,6 +48,8 @@ class SmartBatchingState:
         forward_done: the piece running has finished its forward pass (a failure is in backward).
         steps_per_epoch: with a batch schedule, the optimizer steps of each epoch the run trains.
         step_sizes: with a batch schedule, the schedule's size at each optimizer step of the run.
+        step_weights, step_tokens: with a batch schedule, the size each optimizer step of the run
+            realises (in the schedule's unit) and its real tokens, all ranks (planned with the sizes).
         step_stream: with a batch schedule on a streamed dataset, the :class:`~smart_batching.adaptive.stream.StepStream`.
     """
 
@@ -82,4 +84,6 @@ class SmartBatchingState:
     forward_done: bool = False
     steps_per_epoch: list[int] | None = None
     step_sizes: Any = None
+    step_weights: Any = None
+    step_tokens: Any = None
     step_stream: Any = None
