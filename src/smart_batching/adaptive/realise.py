@@ -133,6 +133,11 @@ class SteppedPlan:
         """(num_steps,) realised size of each step, all ranks together."""
         return self.rank_step_weight.sum(axis=1)
 
+    @property
+    def step_tokens(self) -> np.ndarray:
+        """(num_steps,) real tokens of each step, all ranks together."""
+        return self.rank_step_tokens.sum(axis=1)
+
     @cached_property
     def step_targets(self) -> np.ndarray:
         """(num_steps,) the schedule's size at each step (at what was seen before it)."""

@@ -244,7 +244,7 @@ def _schedule_record(plan: Any, batch_schedule: Any, world_size: int, seed: int)
         "schedule_steps": {
             "size": stepped.step_weight.tolist(),
             "target": stepped.step_targets.tolist(),
-            "tokens": stepped.rank_step_tokens.sum(axis=1).tolist(),
+            "tokens": stepped.step_tokens.tolist(),
             "unit": stepped.schedule.unit,
             "world_size": int(world_size),
         },

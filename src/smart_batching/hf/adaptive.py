@@ -148,7 +148,7 @@ class AdaptiveMixin:
         ):
             stepped = sampler.stepped_plan(len(counts))
             counts.append(stepped.num_steps)
-            steps.append((stepped.step_targets, stepped.step_weight, stepped.rank_step_tokens.sum(axis=1)))
+            steps.append((stepped.step_targets, stepped.step_weight, stepped.step_tokens))
         return counts, steps
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
