@@ -406,6 +406,23 @@ class BatchShapes:
         return self._reduce(np.maximum)
 
 
+def micro_batch_widths(plan: Any, order: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``(num_micro_batches,)`` padded tokens per row of the micro-batches ``order[offsets[m]:offsets[m+1]]``
+    of ``plan``'s segments, one segment per row: where rows hold several examples, the strategy's
+    capacity times rows (the collator flattens such a micro-batch into one row); else the strategy's
+    fixed width, or each micro-batch's longest segment."""
+    sizes = np.diff(offsets)
+    spec = plan.spec
+    limits = spec.micro_batch_limits()
+    if spec.packs_rows and limits.capacity is not None:
+        return np.full(sizes.shape[0], limits.capacity * limits.rows_per_micro_batch, dtype=np.int64)
+    fixed = spec.fixed_width(int(plan.lengths.max(initial=0)))
+    if fixed is not None:
+        return np.full(sizes.shape[0], fixed, dtype=np.int64)
+    shapes = BatchShapes(sizes, None, plan.seg_lengths[order], offsets[:-1], offsets[1:])
+    return np.asarray(shapes.longest, dtype=np.int64)
+
+
 def costliest_batch(key: np.ndarray, tie_break: np.ndarray) -> int:
     """Index of the batch with the largest ``key``, ties to the largest ``tie_break``, then to the first
     (a plan whose batch 0 already ties for the top stays as it is); -1 without batches. O(num_batches)."""

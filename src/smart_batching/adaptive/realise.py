@@ -38,7 +38,7 @@ import numpy as np
 
 from smart_batching.adaptive.schedule import BatchSchedule, SchedulePoint, cut_steps
 from smart_batching.errors import ConfigError
-from smart_batching.plan import Batches, BatchShapes, offsets_of
+from smart_batching.plan import Batches, micro_batch_widths, offsets_of
 
 BALANCE_ROUNDS = 0
 """Moves the balancer may make per round of one micro-batch per rank. 0: its vectorised deal of
@@ -181,16 +181,7 @@ def micro_batches(plan: Any, order: np.ndarray, offsets: np.ndarray) -> Batches:
     """Micro-batches ``order[offsets[m]:offsets[m+1]]`` of ``plan``'s segments as the one batch value:
     one segment per row, padded to its longest (the strategy's fixed width, or, where rows hold several
     examples, its capacity times rows: the collator flattens such a micro-batch into one row)."""
-    sizes = np.diff(offsets)
-    spec = plan.spec
-    limits = spec.micro_batch_limits()
-    if spec.packs_rows and limits.capacity is not None:
-        width = np.full(sizes.shape[0], limits.capacity * limits.rows_per_micro_batch, dtype=np.int64)
-    elif (fixed := spec.fixed_width(int(plan.lengths.max(initial=0)))) is not None:
-        width = np.full(sizes.shape[0], fixed, dtype=np.int64)
-    else:
-        width = BatchShapes(sizes, None, plan.seg_lengths[order], offsets[:-1], offsets[1:]).longest
-    return Batches(offsets, np.asarray(width, dtype=np.int64), None, order)
+    return Batches(offsets, micro_batch_widths(plan, order, offsets), None, order)
 
 
 def per_rank(schedule: BatchSchedule, world_size: int) -> BatchSchedule:

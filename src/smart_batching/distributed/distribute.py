@@ -74,7 +74,15 @@ from smart_batching.distributed._balance import (
 from smart_batching.distributed._mix import MIX_KEEP_TOLERANCE, mix_uneven
 from smart_batching.distributed._reform import REFORM_TOLERANCE, Reformer, reform_uneven, unit_max_costs
 from smart_batching.errors import ConfigError
-from smart_batching.plan import Batches, BatchPlan, BatchShapes, block_positions, costliest_batch, offsets_of
+from smart_batching.plan import (
+    Batches,
+    BatchPlan,
+    BatchShapes,
+    block_positions,
+    costliest_batch,
+    micro_batch_widths,
+    offsets_of,
+)
 from smart_batching.planners._spec import MicroBatchLimits
 
 COSTS = ("tokens", "attention", "slots")
@@ -160,16 +168,10 @@ class DistributedPlan:
         # Chunks 0, 2, 4, ... of the interleaved bounds are the micro-batches (odd ones: the gaps).
         order = self.segment_order[block_positions(ranges, np.arange(0, 2 * sizes.shape[0], 2))]
         offsets = offsets_of(sizes)
-        spec = self.base.spec
-        limits = spec.micro_batch_limits()
-        if spec.packs_rows and limits.capacity is not None:
-            width = np.full(sizes.shape[0], limits.capacity * limits.rows_per_micro_batch, dtype=np.int64)
+        width = micro_batch_widths(self.base, order, offsets)
+        if self.base.spec.packs_rows and self.base.spec.micro_batch_limits().capacity is not None:
+            # One row per micro-batch, holding its segments (the collator flattens them).
             return Batches(np.arange(sizes.shape[0] + 1, dtype=np.int64), width, offsets, order)
-        fixed = spec.fixed_width(int(self.base.lengths.max(initial=0)))
-        if fixed is not None:
-            width = np.full(sizes.shape[0], fixed, dtype=np.int64)
-        else:
-            width = BatchShapes(sizes, None, self.base.seg_lengths[order], offsets[:-1], offsets[1:]).longest
         return Batches(offsets, width, order=order)
 
     @cached_property
