@@ -38,7 +38,7 @@ import numpy as np
 
 from smart_batching.adaptive.schedule import BatchSchedule, SchedulePoint, cut_steps
 from smart_batching.errors import ConfigError
-from smart_batching.plan import Batches, micro_batch_widths, offsets_of
+from smart_batching.plan import Batches, block_positions, micro_batch_widths, offsets_of
 
 BALANCE_ROUNDS = 0
 """Moves the balancer may make per round of one micro-batch per rank. 0: its vectorised deal of
@@ -251,10 +251,13 @@ def _rank_streams(
             "rank without one); lower the number of processes or the budget per micro-batch"
         )
     orders, bounds = [], []
+    # Chunks 0, 2, 4, ... of the interleaved bounds are the micro-batches (as DistributedPlan.micro_batches).
+    ranges = np.stack([d.micro_batch_start, d.micro_batch_end]).T.reshape(-1)
+    sizes = d.micro_batch_end - d.micro_batch_start
     for r in range(world_size):
-        pieces = [d.micro_batch_segments(int(m)) for m in d.rank_micro_batches(r)]
-        orders.append(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64))
-        bounds.append(offsets_of(np.array([p.shape[0] for p in pieces], dtype=np.int64)))
+        mbs = d.rank_micro_batches(r)
+        orders.append(d.segment_order[block_positions(ranges, 2 * mbs)])
+        bounds.append(offsets_of(sizes[mbs]))
     return orders, bounds
 
 
