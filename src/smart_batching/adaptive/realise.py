@@ -113,7 +113,7 @@ class SteppedPlan:
     def _per_rank_step(self, values: np.ndarray) -> np.ndarray:
         out = np.zeros((self.num_steps, self.world_size), dtype=np.int64)
         for r in range(self.world_size):
-            csum = np.concatenate([[0], np.cumsum(values[self.rank_order[r]])])
+            csum = offsets_of(values[self.rank_order[r]])
             bounds = self.rank_micro[r][self.step_offsets]
             out[:, r] = csum[bounds[1:]] - csum[bounds[:-1]]
         return out
@@ -278,16 +278,16 @@ def _cut_rounds(
     """
     world_size = len(orders)
     sizes = np.array([o.shape[0] for o in orders], dtype=np.int64)
-    csums = [np.concatenate([[0], np.cumsum(weights[o])]) for o in orders]
+    csums = [offsets_of(weights[o]) for o in orders]
     rank_w = np.stack(
         [c[b[1:]] - c[b[:-1]] for c, b in zip(csums, bounds, strict=True)], axis=1
     )  # (rounds, W)
     round_w = rank_w.sum(axis=1)
-    cum_rounds = np.concatenate([[0], np.cumsum(round_w)])  # (rounds + 1,)
+    cum_rounds = offsets_of(round_w)  # (rounds + 1,)
     # All ranks' cumulative weights in one rising array: rank r's values are offset by r * span.
     span = int(max(c[-1] for c in csums)) + 1
     flat = np.concatenate([c + r * span for r, c in enumerate(csums)])
-    first = np.concatenate([[0], np.cumsum(sizes + 1)[:-1]])  # where rank r's csum starts in flat
+    first = offsets_of(sizes + 1)[:-1]  # where rank r's csum starts in flat
     starts = np.stack([b for b in bounds], axis=1)  # (rounds + 1, W) segment index of each round
     ranks = np.arange(world_size)
     x, y = schedule._xy()
@@ -336,7 +336,7 @@ def _equal_micro_counts(
         short = np.flatnonzero(counts[r] < k)
         if not short.size:
             continue
-        csum = np.concatenate([[0], np.cumsum(weights[orders[r]])])
+        csum = offsets_of(weights[orders[r]])
         added = []
         for s in short.tolist():
             edges = micro[r][offs[r][s] : offs[r][s + 1] + 1]

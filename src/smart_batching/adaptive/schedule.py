@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from smart_batching.errors import ConfigError
+from smart_batching.plan import offsets_of
 
 UNITS = ("tokens", "examples")
 
@@ -281,8 +282,7 @@ def cut_steps(weights: np.ndarray, schedule: BatchSchedule, *, seen: int = 0) ->
     """
     w = np.asarray(weights, dtype=np.int64)
     n = w.shape[0]
-    csum = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(w, out=csum[1:])
+    csum = offsets_of(w)
     if n == 0:
         return np.zeros(1, dtype=np.int64)
     x, y = schedule._xy()
