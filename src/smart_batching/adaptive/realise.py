@@ -223,15 +223,13 @@ def realise(
     weights = segment_weights(plan, schedule.unit)
     if not schedule.is_resolved:
         schedule = schedule.resolve(int(weights.sum()))
-    if world_size == 1:
-        order = np.arange(plan.num_segments, dtype=np.int64)
-        steps = cut_steps(weights, schedule, seen=seen_before)
-        micro = np.union1d(np.asarray(plan.batch_bounds, dtype=np.int64), steps)
-        step_offsets = np.searchsorted(micro, steps)
-        batches = (micro_batches(plan, order, micro),)
-        return SteppedPlan(plan, schedule, 1, int(seen_before), weights, step_offsets, batches)
-    orders, bounds = _rank_streams(plan, world_size, seed, cost)
-    cuts = _cut_rounds(orders, bounds, weights, schedule, seen_before)
+    if world_size == 1:  # the plan's own order and micro-batches, cut where the schedule says
+        orders = [np.arange(plan.num_segments, dtype=np.int64)]
+        bounds = [np.asarray(plan.batch_bounds, dtype=np.int64)]
+        cuts = [cut_steps(weights, schedule, seen=seen_before)]
+    else:
+        orders, bounds = _rank_streams(plan, world_size, seed, cost)
+        cuts = _cut_rounds(orders, bounds, weights, schedule, seen_before)
     micro, step_offsets = _equal_micro_counts(orders, bounds, cuts, weights)
     batches = tuple(micro_batches(plan, o, m) for o, m in zip(orders, micro, strict=True))
     return SteppedPlan(plan, schedule, world_size, int(seen_before), weights, step_offsets, batches)
