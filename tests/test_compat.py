@@ -295,6 +295,16 @@ def test_cpu_half_matmul_follows_onednn_and_the_cpu_flags(monkeypatch):
     assert compat.matmul_dtype("cpu", torch.float32) == torch.float32
 
 
+def test_autocast_dtype_is_autocasts_where_it_is_on():
+    assert compat.autocast_dtype("cpu", torch.float32) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compat.autocast_dtype("cpu", torch.float32) == torch.bfloat16
+        x = torch.ones(2, 2)
+        assert (x @ x).dtype == compat.autocast_dtype("cpu", x.dtype)  # what a product there gives
+    with torch.autocast("cpu", enabled=False):
+        assert compat.autocast_dtype("cpu", torch.float16) == torch.float16
+
+
 def test_plain_lm_head_is_the_linear_head_unless_the_logits_are_transformed(llama):
     head, reason = compat.plain_lm_head(llama)
     assert head is llama.lm_head and reason is None

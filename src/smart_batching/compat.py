@@ -519,6 +519,14 @@ def matmul_dtype(device_type: str, dtype: Any) -> Any:
     return torch.float32 if slow and cpu_half_matmul(dtype) in ("emulated", "reference") else dtype
 
 
+def autocast_dtype(device_type: str, default: Any) -> Any:
+    """The dtype autocast computes in on ``device_type`` where it is on there, else ``default`` (the
+    inputs' own dtype): what a matrix product under the current context would produce."""
+    import torch
+
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
+
+
 def trainer_autocast_dtype(trainer: Any) -> Any:
     """The dtype a ``Trainer`` autocasts to (``torch.bfloat16`` for ``bf16=True``, ``torch.float16`` for
     ``fp16=True``), or None. Read from its accelerator's ``mixed_precision`` ("bf16", "fp16", "no"), or

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from smart_batching import compat
+
 IGNORE_INDEX = -100
 
 
@@ -290,8 +292,7 @@ def linear_token_loss_sum(
     wanted = targets.reshape(-1).to(flat.device)
     rows = wanted.ne(ignore_index).nonzero().squeeze(1)
     if matmul_dtype is None:
-        device = flat.device.type
-        matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        matmul_dtype = compat.autocast_dtype(flat.device.type, weight.dtype)
     loss, entropy, correct = _LinearCrossEntropySum.apply(
         flat[rows], weight, bias, wanted[rows], matmul_dtype, metrics
     )

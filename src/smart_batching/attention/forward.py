@@ -88,7 +88,7 @@ def _packed_attention(
     # return (``wanted``).
     device = query.device.type
     autocast = torch.is_autocast_enabled(device)
-    wanted = torch.get_autocast_dtype(device) if autocast else query.dtype
+    wanted = compat.autocast_dtype(device, query.dtype)
     work = compat.matmul_dtype(device, wanted)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         out = _attend(query, key, value, work, use_varlen, cu_q, kwargs, attend)

@@ -63,8 +63,7 @@ class FusedHead:
             self.result = None
             return torch.nn.functional.linear(hidden, head.weight, head.bias)
         device = hidden.device.type
-        wanted = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-        self.matmul_dtype = compat.matmul_dtype(device, wanted)
+        self.matmul_dtype = compat.matmul_dtype(device, compat.autocast_dtype(device, head.weight.dtype))
         self.result = linear_token_loss_sum(
             hidden,
             head.weight,
