@@ -272,7 +272,8 @@ def _cut_rounds(
     rounds' cumulative weight (all ranks) reaches its target: inside round ``u`` at fraction ``f``, every
     rank cuts its micro-batch of that round at the example boundary closest to ``f`` of its weight (at
     least one example per rank and step). All ranks consume the same rounds, so their shares stay level
-    step after step (no drift), and every rank has as many steps. Python per step; vectorised over ranks.
+    step after step (no drift), and every rank has as many steps. Python per step; vectorised over ranks
+    (every rank's cumulative weights are read from one array).
     """
     world_size = len(orders)
     sizes = np.array([o.shape[0] for o in orders], dtype=np.int64)
@@ -288,9 +289,14 @@ def _cut_rounds(
     first = offsets_of(sizes + 1)[:-1]  # where rank r's csum starts in flat
     starts = np.stack([b for b in bounds], axis=1)  # (rounds + 1, W) segment index of each round
     ranks = np.arange(world_size)
+
+    def at(idx: np.ndarray) -> np.ndarray:
+        """(W,) ``csums[r][idx[r]]`` of every rank, read from ``flat`` at once."""
+        return flat[first + idx] - ranks * span
+
     x, y = schedule._xy()
     pos = np.zeros(world_size, dtype=np.int64)
-    cuts = [[0] for _ in range(world_size)]
+    ends: list[np.ndarray] = []  # (W,) each step's cut of every rank
     done = 0
     while np.any(pos < sizes):
         seen_now = seen + done
@@ -300,20 +306,20 @@ def _cut_rounds(
         else:
             u = int(np.searchsorted(cum_rounds, goal, side="right")) - 1
             f = (goal - cum_rounds[u]) / max(int(round_w[u]), 1)
-            base = np.array([csums[r][starts[u, r]] for r in ranks], dtype=np.float64)
-            local = base + f * rank_w[u]  # each rank's goal, in its own cumulative weight
+            local = at(starts[u]).astype(np.float64) + f * rank_w[u]  # each rank's goal, in its own weight
             j = np.searchsorted(flat, local + ranks * span, side="left") - first  # first end at/after it
             j = np.minimum(j, sizes)
             prev = np.maximum(j - 1, 0)
-            here = np.array([csums[r][j[r]] for r in ranks], dtype=np.float64)
-            before = np.array([csums[r][prev[r]] for r in ranks], dtype=np.float64)
+            here, before = at(j).astype(np.float64), at(prev).astype(np.float64)
             end = np.where(local - before <= here - local, prev, j)
             end = np.clip(end, pos + 1, sizes)
-        for r in ranks:
-            cuts[r].append(int(end[r]))
+        ends.append(end)
         pos = end
-        done = int(sum(csums[r][pos[r]] for r in ranks))
-    return [np.asarray(c, dtype=np.int64) for c in cuts]
+        done = int(at(pos).sum())
+    cuts = np.zeros((len(ends) + 1, world_size), dtype=np.int64)  # (num_steps + 1, W), 0 first
+    if ends:
+        cuts[1:] = np.stack(ends)
+    return [np.ascontiguousarray(cuts[:, r]) for r in range(world_size)]
 
 
 def _equal_micro_counts(
