@@ -15,5 +15,12 @@ def needs_cuda(device: torch.device, what: str) -> None:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """A collated batch with its tensors on ``device``."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    """A collated batch with its tensors (nested dicts too: DPO's packed row) on ``device``."""
+    moved = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            value = value.to(device)
+        elif isinstance(value, dict):
+            value = to_device(value, device)
+        moved[key] = value
+    return moved
