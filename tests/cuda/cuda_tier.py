@@ -11,7 +11,7 @@ DRY_RUN_ENV = "SMART_BATCHING_CUDA_TIER_ON_CPU"
 def needs_cuda(device: torch.device, what: str) -> None:
     """Skip the rest of a test on the dry run: ``what`` is about a CUDA kernel or CUDA memory."""
     if device.type != "cuda":
-        pytest.skip(f"dry run on {device.type}: {what} needs CUDA (the comparisons before this point passed)")
+        pytest.skip(f"dry run on {device.type}: {what} needs CUDA")
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
