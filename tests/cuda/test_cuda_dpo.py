@@ -64,7 +64,7 @@ def _step(trainer, batch):
     model.zero_grad(set_to_none=True)
     loss = trainer.compute_loss(model, batch)
     loss.backward()
-    return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -19,6 +19,7 @@ bf16 forward and backward).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -158,6 +159,20 @@ def _compare(what: str, ours, theirs, tol: Tol) -> None:
     assert worst[0] <= tol.rtol, (
         f"{what}: gradient of {worst[1]} differs from padded SDPA's by {worst[0]:.3e} of its largest entry "
         f"(> {tol.rtol})"
+    )
+
+
+def test_torch_varlen_takes_the_arguments_the_library_passes(device):
+    """``_kernels._varlen_attention`` calls ``varlen_attn(..., scale=, window_size=, enable_gqa=)``: a torch
+    whose varlen_attn lacks one of them would fail every packed bf16 forward with a TypeError."""
+    varlen = _kernels._torch_varlen()
+    if varlen is None:
+        pytest.skip("torch.nn.attention.varlen does not import in this torch")
+    params = inspect.signature(varlen).parameters
+    missing = [name for name in ("scale", "window_size", "enable_gqa") if name not in params]
+    assert not missing, (
+        f"torch {torch.__version__}: varlen_attn{inspect.signature(varlen)} takes no {missing}, which "
+        "smart_batching.attention._kernels passes"
     )
 
 
