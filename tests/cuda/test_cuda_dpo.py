@@ -21,6 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 from cuda_tier import to_device  # noqa: E402
 
+from smart_batching.fallbacks import recorded_fallbacks  # noqa: E402
+
 pytestmark = pytest.mark.cuda
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +123,7 @@ def test_packed_shared_prompt_pairs_equal_trl_padded(device, dtype):
         ((ours_grads[n] - g).abs().max().item() / max(g.abs().max().item(), 1e-12), n)
         for n, g in theirs_grads.items()
     )
+    print(f"[cuda tier] {what}: fallbacks recorded {recorded_fallbacks()}")
     print(
         f"[cuda tier] {what}: loss {ours_loss:.6f} vs {theirs_loss:.6f}, gradients {worst[0]:.2e} ({worst[1]})"
     )

@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from cuda_tier import needs_cuda  # noqa: E402
 
+from smart_batching.fallbacks import recorded_fallbacks  # noqa: E402
+
 pytestmark = pytest.mark.cuda
 
 CAP_BYTES = 1.5 * 2**30  # the cap, whatever the device (an H100's 80 GiB or an H200's 141 GiB)
@@ -64,6 +66,9 @@ def test_real_cuda_out_of_memory_backs_off_and_keeps_the_step(device, tmp_path):
     )
     assert state.num_backoffs >= 1, (
         "the 16384-token micro-batch fit under the cap: no out-of-memory error to back off"
+    )
+    assert recorded_fallbacks().get("trainer.oom_backoff", 0) >= 1, (
+        f"back-off not recorded: {recorded_fallbacks()}"
     )
     assert trainer.state.global_step == 2, f"the run stopped at step {trainer.state.global_step} of 2"
     moved = max((p.detach().cpu() - before[n]).abs().max().item() for n, p in model.named_parameters())

@@ -3,7 +3,7 @@
 ``SmartBatchingTrainer`` with the ``packed`` strategy, ``bf16=True``, a tiny random Llama: packed attention
 must run a varlen kernel (``attention.varlen``), the LM head fused with the loss
 (``trainer.fused_lm_head``), and nothing else may fall back. ``FallbackWarning`` is an error for the run;
-the peak ``torch.cuda.max_memory_allocated`` is printed (``-rA`` shows it). The dry run on CPU trains in
+torch's profiler must see the varlen op run and no SDPA call; the peak ``torch.cuda.max_memory_allocated`` is printed (``-rA`` shows it). The dry run on CPU trains in
 float32 (bf16 on a CPU is its own documented fallback where the CPU lacks bf16 instructions, and a test must
 not depend on the CPU's features).
 """
@@ -53,7 +53,9 @@ def test_packed_bf16_training_run_takes_no_fallback(device, tmp_path):
         )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        result = trainer.train()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = trainer.train()
+    names = {e.name for e in prof.events()}
     where = next(model.parameters()).device.type
     assert where == device.type, f"the Trainer ran on {where}, not {device.type}"
     print(f"[cuda tier] packed run: {recorded_fallbacks()=}, precision {trainer.smart_batching.precision}")
@@ -62,6 +64,10 @@ def test_packed_bf16_training_run_takes_no_fallback(device, tmp_path):
         assert precision.get("autocast") == precision.get("lm_head_matmul") == "bfloat16", (
             f"the bf16 run's attention/LM head did not run in bfloat16: {precision}"
         )
+        # A packed batch that reached attention without max_length_q would take the segment path unwarned:
+        # what ran is the observable.
+        assert [n for n in names if "varlen" in n], "no varlen attention op ran in the packed bf16 run"
+        assert not [n for n in names if "scaled_dot_product" in n], "the packed bf16 run called SDPA"
         peak = torch.cuda.max_memory_allocated() / 2**20
         print(f"[cuda tier] packed bf16 run: 4 steps, peak torch.cuda.max_memory_allocated {peak:.1f} MiB")
     assert recorded_fallbacks() == {}, f"the packed bf16 run fell back: {recorded_fallbacks()}"
