@@ -27,7 +27,10 @@ pytestmark = pytest.mark.cuda
 
 ROOT = Path(__file__).resolve().parents[2]
 # dtype: (log-prob atol, loss rtol, gradient bound relative to each gradient's largest entry)
-TOLERANCE = {torch.float32: (1e-4, 1e-4, 1e-3), torch.bfloat16: (1e-1, 5e-2, 1e-1)}
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-4, 1e-3),
+    torch.bfloat16: (1.5e-1, 5e-2, 1.5e-1),
+}  # CPU dry run bf16: 4e-3, 2e-5, 7e-3
 
 
 def _example():

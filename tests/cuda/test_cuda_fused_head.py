@@ -29,7 +29,7 @@ pytestmark = pytest.mark.cuda
 VOCAB = 512
 LENGTHS = [60, 33, 90, 17, 48]
 # (loss rtol, gradient bound relative to each gradient's largest entry)
-TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-3, 5e-2)}
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-3, 8e-2)}  # CPU dry run: 2e-6 and 9e-3 (bf16)
 
 
 def _model(device: torch.device):
