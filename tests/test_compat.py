@@ -486,3 +486,37 @@ def test_vllm_generate_and_its_step_budget(tmp_path, llama):
     ref = llama.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert tokens[0] == ref[0, 3:].tolist() and len(cached) == 2
     assert compat.vllm_reset_prefix_cache(llm)
+
+
+def test_torch_varlen_call_maps_onto_each_torch_signature():
+    """torch 2.10's varlen_attn takes ``is_causal``; 2.11 ``scale``/``window_size``; 2.12 ``enable_gqa``."""
+    v210 = frozenset({"is_causal", "return_aux"})
+    v211 = frozenset({"return_aux", "scale", "window_size"})
+    v212 = v211 | {"enable_gqa"}
+    call = compat.torch_varlen_call
+    assert call(window_size=(-1, 0), scale=None, head_dim=64, gqa=False, params=v210) == (
+        {"is_causal": True},
+        False,
+        None,
+    )
+    assert call(window_size=(-1, 0), scale=0.125, head_dim=64, gqa=True, params=v210) == (
+        {"is_causal": True},
+        True,
+        None,
+    )
+    assert call(window_size=(15, 0), scale=None, head_dim=64, gqa=False, params=v210)[2] is not None
+    assert call(window_size=(-1, 0), scale=0.5, head_dim=64, gqa=False, params=v210)[2] is not None
+    assert call(window_size=(15, 0), scale=0.5, head_dim=64, gqa=True, params=v211) == (
+        {"window_size": (15, 0), "scale": 0.5},
+        True,
+        None,
+    )
+    assert call(window_size=(15, 0), scale=0.5, head_dim=64, gqa=True, params=v212) == (
+        {"window_size": (15, 0), "scale": 0.5, "enable_gqa": True},
+        False,
+        None,
+    )
+    # the installed torch: whatever it is, the library's causal and sliding calls are mapped, none refused
+    if compat.torch_varlen_attn() is not None:
+        for window_size in ((-1, 0), (15, 0)):
+            assert call(window_size=window_size, scale=None, head_dim=64, gqa=True)[2] is None

@@ -35,6 +35,9 @@ fused log-prob head, PEFT                 :func:`is_trl_preference_collator`, :d
                                           :func:`trl_backbone`, :func:`is_peft_model`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 DeepSpeed / FSDP in the Trainer           :func:`trainer_uses_deepspeed`, :func:`trainer_uses_fsdp`
+torch's fused varlen attention            :func:`torch_varlen_attn`, :func:`torch_varlen_call`
+(``scale``/``window_size``/``enable_gqa``
+come in torch 2.11 and 2.12)
 half-precision matrix products on CPU     :func:`cpu_flags`, :func:`cpu_half_matmul`, :func:`matmul_dtype`
 (oneDNN, ``/proc/cpuinfo``)
 a trainer's mixed precision, checkpointing :func:`trainer_autocast_dtype`, :func:`activation_checkpointing`,
@@ -674,6 +677,77 @@ def generate_batch(
             f"(failed: {failed[:5]}); see the log above"
         )
     return [list(r.generated_tokens) for r in results]
+
+
+# --------------------------------------------------------------------------------------------------
+# torch's fused varlen attention (torch.nn.attention.varlen): its keywords moved between releases
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def torch_varlen_attn() -> Callable[..., Any] | None:
+    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none (before 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    fn = torch_varlen_attn()
+    return frozenset() if fn is None else frozenset(_params(fn))
+
+
+def torch_varlen_call(
+    *,
+    window_size: tuple[int, int],
+    scale: float | None,
+    head_dim: int,
+    gqa: bool,
+    params: frozenset[str] | None = None,
+) -> tuple[dict[str, Any], bool, str | None]:
+    """The keywords to call torch's ``varlen_attn`` with, for this torch's signature.
+
+    torch 2.10 takes ``is_causal`` (no scale, no window, no GQA); 2.11 takes ``scale`` and
+    ``window_size`` (``(-1, 0)``: causal); 2.12 adds ``enable_gqa``.
+
+    Args:
+        window_size: flash-attn's ``(left, right)`` window: ``(-1, 0)`` causal, ``(-1, -1)`` full.
+        scale: The softmax scale, or None for ``head_dim ** -0.5``.
+        head_dim: The query heads' size (what a default scale is).
+        gqa: Whether the key/value heads are fewer than the query heads.
+        params: The signature's keyword names (default: the installed torch's).
+
+    Returns:
+        ``(kwargs, repeat_kv, reason)``: ``repeat_kv`` where this torch takes no ``enable_gqa`` (the caller
+        repeats the key/value heads, the same result with more memory for keys and values);
+        ``reason`` (kwargs then empty) where this torch's kernel cannot run the call at all.
+    """
+    params = _torch_varlen_params() if params is None else params
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = window_size
+    elif "is_causal" in params and window_size in ((-1, 0), (-1, -1)):
+        kwargs["is_causal"] = window_size == (-1, 0)
+    else:
+        return (
+            {},
+            False,
+            "this torch's varlen_attn takes no window_size (sliding-window attention): torch>=2.11",
+        )
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - head_dim**-0.5) > 1e-6 * head_dim**-0.5:
+        return {}, False, "this torch's varlen_attn takes no scale and the model's is not 1/sqrt(head_dim)"
+    repeat_kv = False
+    if gqa:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat_kv = True
+    return kwargs, repeat_kv, None
 
 
 def vllm_available() -> bool:

@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from cuda_tier import needs_cuda, to_device  # noqa: E402
 
+from smart_batching import compat  # noqa: E402
 from smart_batching.attention import _kernels, enable_packed_attention  # noqa: E402
 from smart_batching.collate import PackingCollator  # noqa: E402
 from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks  # noqa: E402
@@ -162,18 +163,23 @@ def _compare(what: str, ours, theirs, tol: Tol) -> None:
     )
 
 
-def test_torch_varlen_takes_the_arguments_the_library_passes(device):
-    """``_kernels._varlen_attention`` calls ``varlen_attn(..., scale=, window_size=, enable_gqa=)``: a torch
-    whose varlen_attn lacks one of them would fail every packed bf16 forward with a TypeError."""
+def test_torch_varlen_takes_the_calls_the_library_makes(device):
+    """``compat.torch_varlen_call`` maps the library's causal and sliding-window calls onto this torch's
+    ``varlen_attn`` signature (``scale``/``window_size`` from 2.11, ``enable_gqa`` from 2.12): none refused."""
     varlen = _kernels._torch_varlen()
     if varlen is None:
         pytest.skip("torch.nn.attention.varlen does not import in this torch")
-    params = inspect.signature(varlen).parameters
-    missing = [name for name in ("scale", "window_size", "enable_gqa") if name not in params]
-    assert not missing, (
-        f"torch {torch.__version__}: varlen_attn{inspect.signature(varlen)} takes no {missing}, which "
-        "smart_batching.attention._kernels passes"
-    )
+    signature = inspect.signature(varlen)
+    for window_size in ((-1, 0), (15, 0)):
+        kwargs, repeat_kv, refused = compat.torch_varlen_call(
+            window_size=window_size, scale=None, head_dim=32, gqa=True
+        )
+        print(
+            f"[cuda tier] torch {torch.__version__} varlen_attn{signature}: {window_size=} -> {kwargs} {repeat_kv=}"
+        )
+        assert refused is None, (
+            f"torch {torch.__version__}: varlen_attn{signature} refuses {window_size=}: {refused}"
+        )
 
 
 @pytest.mark.parametrize("path", list(PATHS))

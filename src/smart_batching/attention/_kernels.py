@@ -7,6 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from smart_batching import compat
 from smart_batching.attention._segments import _SegmentPlan
 
 # --------------------------------------------------------------------------------------------------
@@ -101,13 +102,8 @@ def _flash_attn_varlen():
     return flash_attn_varlen_func
 
 
-@functools.cache
 def _torch_varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    return compat.torch_varlen_attn()
 
 
 def _varlen_attention(
@@ -162,21 +158,26 @@ def _varlen_attention(
         )
     varlen = _torch_varlen()
     assert varlen is not None  # varlen_unavailable_reason said one kernel applies
+    kwargs, repeat_kv, refused = compat.torch_varlen_call(
+        window_size=window_size, scale=scale, head_dim=q.shape[-1], gqa=q.shape[1] != k.shape[1]
+    )
+    if refused is not None:
+        _warn_varlen(refused)
+        return None
+    if repeat_kv:
+        # torch < 2.12 takes no enable_gqa: the same result with the key/value heads repeated
+        n_rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
     try:
-        return varlen(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            max_length,
-            max_length,
-            scale=scale,
-            window_size=window_size,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-    except (RuntimeError, ValueError, NotImplementedError) as e:  # pragma: no cover - GPU/kernel dependent
-        _warn_varlen(f"torch's varlen kernel refused this call ({e})")
+        return varlen(q, k, v, cu, cu, max_length, max_length, **kwargs)
+    except (
+        RuntimeError,
+        ValueError,
+        NotImplementedError,
+        TypeError,
+    ) as e:  # pragma: no cover - GPU dependent
+        _warn_varlen(f"torch's varlen kernel refused this call ({type(e).__name__}: {e})")
         return None
 
 
