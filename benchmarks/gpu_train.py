@@ -46,6 +46,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -207,6 +208,8 @@ def attention_share(prof: Any) -> dict[str, Any]:
             attn += t
             names[e.key[:80]] = names.get(e.key[:80], 0.0) + t
     top = sorted(names.items(), key=lambda kv: -kv[1])[:4]
+    if cuda and total == 0.0:
+        return {"attention_share": None, "profiled_kind": "no CUDA kernel events in the profile"}
     return {
         "attention_share": attn / total if total else None,
         "profiled_kind": "cuda_kernels" if cuda else "cpu_ops",
@@ -224,15 +227,28 @@ def mfu(record: dict[str, Any], spec: dict[str, int], n_params: int, peak_tflops
 def environment() -> dict[str, Any]:
     import transformers
 
+    import platform
+
     env: dict[str, Any] = {
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "transformers": transformers.__version__,
+        "transformers": f"{transformers.__version__} ({Path(transformers.__file__).parent.parent})",
     }
-    for name in ("trl", "accelerate", "datasets"):
+    for name in (
+        "trl",
+        "accelerate",
+        "datasets",
+        "huggingface_hub",
+        "tokenizers",
+        "numba",
+        "pyarrow",
+        "numpy",
+    ):
         try:
-            env[name] = __import__(name).__version__
+            module = __import__(name)
+            env[name] = f"{module.__version__} ({Path(module.__file__).parent.parent})"
         except Exception as exc:  # noqa: BLE001 - recorded
             env[name] = f"unavailable: {exc}"
     try:
@@ -268,6 +284,10 @@ def run_row(
     run_opts = argparse.Namespace(batch_size=batch_size, steps=steps, warmup=opts.warmup, vocab=spec["vocab"])
     profile = profiler_callback(first=max(opts.warmup - 2, 0), count=min(2, max(opts.warmup - 1, 1)))
     model = build_model(spec, opts.device, opts.seed)
+    built = sum(p.numel() for p in model.parameters())
+    if built != count_parameters(spec)["total"]:
+        log(f"note: the model has {built:,} parameters, the formula {count_parameters(spec)['total']:,}")
+    n_params = built - model.get_input_embeddings().weight.numel()
     record = tt.run_strategy(
         name,
         ds,
@@ -306,12 +326,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", "--dry-run", action="store_true", help="tiny model on CPU, two steps a row")
     parser.add_argument("--json", action="store_true", help="one JSON record per row per line")
+    parser.add_argument("--env", type=Path, default=None, help="write the versions to this JSON file, exit")
     opts = parser.parse_args(argv)
+    if opts.env is not None:
+        opts.env.write_text(json.dumps(environment(), indent=1, default=str) + "\n")
+        return []
     start = time.perf_counter()
     opts.device = "cuda" if torch.cuda.is_available() else "cpu"
     if opts.tiny:
         opts.model, opts.device = "tiny", "cpu"
-        opts.capacity, opts.tokens_per_step, opts.warmup, opts.steps = 1024, 2048, 1, 1
+        opts.capacity, opts.tokens_per_step, opts.warmup, opts.steps = 512, 1024, 1, 1
     spec = MODELS[opts.model]
     params = count_parameters(spec)
     n_params = params["without_input_embedding"]
@@ -338,6 +362,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                             "traceback": traceback.format_exc()[-4000:],
                         }
                     finally:
+                        gc.collect()  # the failed row's model and optimizer, before the next row's
                         if torch.cuda.is_available():
                             torch.cuda.empty_cache()
                 record.update(
