@@ -225,9 +225,9 @@ def mfu(record: dict[str, Any], spec: dict[str, int], n_params: int, peak_tflops
 
 
 def environment() -> dict[str, Any]:
-    import transformers
-
     import platform
+
+    import transformers
 
     env: dict[str, Any] = {
         "python": platform.python_version(),

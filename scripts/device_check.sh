@@ -32,6 +32,7 @@ DEADLINE="${DEADLINE:-480}"
 START=$(date +%s)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_HOME="${SB_HF_HOME:-/tmp/sb-hf-home}"  # datasets' cache: scratch, never the tree
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # less fragmentation between rows
 : > "$OUT/stages.jsonl"
 : > "$OUT/setup.log"
 

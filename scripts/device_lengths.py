@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from smart_batching.data import load_dataset_any
-from smart_batching.data.formats import detect_format
 from smart_batching.data.default_data import default_dataset_as_hf
+from smart_batching.data.formats import detect_format
 from smart_batching.data.tasks import _tokenize_causal
 from smart_batching.data.tokenizers import load_tokenizer
 
