@@ -189,7 +189,10 @@ def profiler_callback(first: int, count: int) -> Any:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 self.prof.__exit__(None, None, None)
-                self.result = attention_share(self.prof)
+                try:
+                    self.result = attention_share(self.prof)
+                except Exception as exc:  # noqa: BLE001 - recorded; the row's timing goes on
+                    self.result = {"attention_share": None, "profile_error": f"{type(exc).__name__}: {exc}"}
                 self.prof = None
 
     return Profile()
