@@ -56,7 +56,7 @@ def table(records: list[dict[str, Any]]) -> str:
     """One markdown row per record (errors and skipped rows say why)."""
     head = (
         "| data | strategy | steps | real tok/step | padding | real tok/s | step p50 s | step p90 s | "
-        "peak MiB | MFU | attention | vs hf_random | vs trl_packing | mem vs trl |"
+        "peak MiB | MFU | attention | vs hf_random | vs trl_packing | mem vs trl | attention path |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
@@ -74,7 +74,8 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{_f(r['step_time_p50_s'], '.3f')} | {_f(r['step_time_p90_s'], '.3f')} | "
             f"{_f(r.get('peak_memory_mb'), ',.0f')} | {_f(r.get('mfu'), '.1%')} | "
             f"{_f(r.get('attention_share'), '.0%')} | {_f(r.get('ratio_vs_random'), '.2f')}x | "
-            f"{_f(r.get('ratio_vs_trl'), '.2f')}x | {_f(r.get('memory_vs_trl'), '.2f')}x |"
+            f"{_f(r.get('ratio_vs_trl'), '.2f')}x | {_f(r.get('memory_vs_trl'), '.2f')}x | "
+            f"{r.get('attn_implementation')}: {', '.join(list(dict.fromkeys(k[:60] for k in r.get('attention_kernels', [])))[:2])} |"
         )
     return "\n".join(lines)
 

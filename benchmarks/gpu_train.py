@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--capacity", type=int, default=4096, help="tokens per packed row, longest example")
     parser.add_argument("--tokens-per-step", type=int, default=16384)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the last two profiled)")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per row")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
     parser.add_argument("--precision", choices=list(tt.PRECISIONS), default="bf16")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the card's bf16 dense peak")
     parser.add_argument("--deadline-s", type=float, default=None, help="skip rows that would start later")
