@@ -7,7 +7,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean
+.PHONY: demo test test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean device-bundle
 
 venv:
 	@bash scripts/setup_venv.sh $(VENV) hf,plot
@@ -47,6 +47,12 @@ bench: venv-dev
 bench-inference:
 	@bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
 	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python benchmarks/inference.py $(ARGS)
+
+## Wheels and token lengths for the GPU check (scripts/device_check.sh, CONTRIBUTING.md "GPU check"),
+## in .device-bundle/ (carried beside the tree; under 55 MiB). Needs the dev venv (`make venv-dev`, or
+## VENV=path/to/one) and PyPI.
+device-bundle:
+	@PY=$(PY) bash scripts/device_bundle.sh
 
 lint: venv-dev
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -190,15 +190,21 @@ def sft_tokenizer():
 
 
 class CountingCollator:
-    """Wrap a collator and record, per batch, the real (non-padding) input tokens and the token slots."""
+    """Wrap a collator and record, per batch, the real (non-padding) input tokens, the token slots and
+    the sum of its examples' squared lengths (``seq_lengths`` of a packed row count one by one): what
+    causal attention over the real segments costs."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.real: list[int] = []
         self.slots: list[int] = []
+        self.squares: list[int] = []
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         features = [{k: f[k] for k in ("input_ids", "labels", "seq_lengths") if k in f} for f in features]
+        self.squares.append(
+            sum(int(n) ** 2 for f in features for n in f.get("seq_lengths", [len(f["input_ids"])]))
+        )
         batch = self.inner(features)
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")
@@ -257,10 +263,20 @@ def run_strategy(
     seed: int = 0,
     eval_ds: Any = None,
     precision: str = "fp32",
+    *,
+    model: Any = None,
+    rows: int = 1,
+    processing_class: Any = None,
+    callbacks: tuple[Any, ...] = (),
 ) -> dict[str, Any]:
     """Train one strategy on ``ds`` from the initial weights of ``seed`` (its data order too), in
     ``precision`` (a key of :data:`PRECISIONS`); with ``eval_ds``, the record also holds the trained
-    model's held-out loss (``eval_loss``)."""
+    model's held-out loss (``eval_loss``).
+
+    ``model`` replaces the default :func:`tiny_llama`; ``rows`` is the packed rows per step (``packed``'s
+    ``rows_per_batch``, TRL's per-device batch of packed rows); ``processing_class`` replaces
+    :func:`sft_tokenizer` for TRL's rows; ``callbacks`` go to the Trainer beside the step timer
+    (``benchmarks/gpu_train.py`` passes these)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
@@ -290,8 +306,10 @@ def run_strategy(
         compat.checkpointing_argument(): checkpointing,
     }
     pad = 0
-    model = tiny_llama(opts.vocab, opts.hidden, opts.layers, seed=seed)
+    if model is None:
+        model = tiny_llama(opts.vocab, opts.hidden, opts.layers, seed=seed)
     timer = step_timer()
+    callbacks = [timer, *callbacks]
     settings: dict[str, Any] = {"batch_size": opts.batch_size}
     if name in ("trl_packing", "sft_packed"):
         from trl import SFTConfig, SFTTrainer
@@ -299,16 +317,26 @@ def run_strategy(
         from smart_batching.hf import apply_smart_batching
 
         packing = name == "trl_packing"
-        config = {**common, "per_device_train_batch_size": 1 if packing else opts.batch_size}
+        config = {**common, "per_device_train_batch_size": rows if packing else opts.batch_size}
         args = SFTConfig(packing=packing, max_length=capacity, **config)
         trainer = SFTTrainer(
-            model=model, args=args, train_dataset=ds, processing_class=sft_tokenizer(), callbacks=[timer]
+            model=model,
+            args=args,
+            train_dataset=ds,
+            processing_class=processing_class if processing_class is not None else sft_tokenizer(),
+            callbacks=callbacks,
         )
         if packing:
-            settings = {"max_length": capacity, "packing_strategy": args.packing_strategy}
+            settings = {
+                "max_length": capacity,
+                "rows": rows,
+                "packing_strategy": args.packing_strategy,
+                "padding_free": trainer.padding_free,
+            }
         else:
-            apply_smart_batching(trainer, "packed", capacity=capacity, seed=seed)
-            settings = {"capacity": capacity}
+            options = {"capacity": capacity, **({"rows_per_batch": rows} if rows > 1 else {})}
+            apply_smart_batching(trainer, "packed", seed=seed, **options)
+            settings = options
         collator = CountingCollator(trainer.data_collator)
         trainer.data_collator = collator
     elif name.startswith("hf_"):
@@ -318,13 +346,15 @@ def run_strategy(
             collator = CountingCollator(PaddingCollator(pad))
         strategy = "group_by_length" if name == "hf_group_by_length" else "random"
         args = TrainingArguments(train_sampling_strategy=strategy, **common)
-        trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[timer])
+        trainer = Trainer(
+            model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=callbacks
+        )
     else:
         base = name.removesuffix("_full_logits")
         options = {
             "group_by_length": {"batch_size": opts.batch_size},
             "token_budget": {"max_tokens": budget},
-            "packed": {"capacity": capacity},
+            "packed": {"capacity": capacity, **({"rows_per_batch": rows} if rows > 1 else {})},
         }[base]
         settings = {**options, "target_logits_only": base == name}
         collator = CountingCollator(make_collator(base, pad_token_id=pad))
@@ -333,7 +363,7 @@ def run_strategy(
             args=TrainingArguments(**common),
             train_dataset=ds,
             data_collator=collator,
-            callbacks=[timer],
+            callbacks=callbacks,
             strategy=base,
             strategy_options=options,
             seed=seed,
@@ -359,6 +389,7 @@ def run_strategy(
     # One micro-batch per optimizer step; the collator may have run one batch ahead.
     real = int(np.sum(collator.real[warm:steps]))
     slots = int(np.sum(collator.slots[warm:steps]))
+    squares = int(np.sum(collator.squares[warm:steps]))
     seconds = float(np.sum(timed))
     cpu_seconds = float(np.sum(timer.cpu_times[warm:]))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -373,6 +404,7 @@ def run_strategy(
         "timed_steps": len(timed),
         "real_tokens": real,
         "token_slots": slots,
+        "segment_length_squares": squares,
         "padding_ratio": 1.0 - real / slots if slots else 0.0,
         "seconds": seconds,
         "real_tokens_per_s": real / seconds if seconds else float("nan"),
