@@ -4,6 +4,12 @@ without it; the target counts it reads; the settings it refuses."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +17,7 @@ import torch
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
+from ports import free_port  # noqa: E402
 from test_trainer import counting_dataset, tiny_llama, training_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -142,3 +149,22 @@ def test_epoch_normalization_refuses_what_it_cannot_hold(tmp_path):
     trainer.setup_smart_batching("packed", strategy_options={"capacity": 160}, loss_normalization="epoch")
     trainer.setup_smart_batching("packed", strategy_options={"capacity": 160}, loss_normalization="epoch")
     assert sum(isinstance(c, EpochNormalization) for c in trainer.callback_handler.callbacks) == 1
+
+
+def test_epoch_normalization_on_two_processes(tmp_path):
+    """Two gloo ranks, 2 accumulation steps: every rank scales by the step's targets over both ranks
+    (the same factor on each, so DDP's averaged gradient is scaled once), M is all targets over the
+    optimizer steps, and the clipped step moves the weights by lr * c * n / M."""
+    worker = Path(__file__).resolve().parent / "step_weight_ddp_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(worker), "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["factors"] == ranks[1]["factors"] and ranks[0]["mean_targets"] == ranks[1]["mean_targets"]
+    lengths = np.array(ranks[0]["lengths"])
+    assert ranks[0]["mean_targets"] == pytest.approx((lengths - 1).sum() / ranks[0]["steps"])
+    factors = np.array(ranks[0]["factors"])
+    assert len(factors) == ranks[0]["steps"] and np.ptp(factors) > 0.1
+    np.testing.assert_allclose(ranks[0]["deltas"], 10.0 * 1e-3 * factors, rtol=1e-3)
