@@ -41,7 +41,7 @@ import numpy as np
 STRATEGIES = (
     "random", "group_by_length", "token_budget", "packed", "packed[window=32]", "group_by_length[window=32]",
     "packed[costliest_first=False]", "token_budget[costliest_first=False]",
-    "group_by_length[loss_normalization=epoch]", "packed[loss_normalization=epoch]",
+    "group_by_length[loss_normalization=epoch]", "packed[loss_normalization=epoch]", "packed[spread]",
 )  # fmt: skip
 
 

