@@ -168,3 +168,17 @@ def test_epoch_normalization_on_two_processes(tmp_path):
     factors = np.array(ranks[0]["factors"])
     assert len(factors) == ranks[0]["steps"] and np.ptp(factors) > 0.1
     np.testing.assert_allclose(ranks[0]["deltas"], 10.0 * 1e-3 * factors, rtol=1e-3)
+
+
+def test_bench_rows_carry_the_option_to_the_trainer_not_the_planner():
+    from smart_batching.bench.training import strategy_options, trainer_row_options
+
+    base, options = strategy_options(
+        "packed[algorithm=spread,loss_normalization=epoch]",
+        batch_size=4, max_tokens=512, capacity=512,
+    )  # fmt: skip
+    assert base == "packed" and options["algorithm"] == "spread" and "loss_normalization" not in options
+    assert trainer_row_options("packed[algorithm=spread,loss_normalization=epoch]") == {
+        "loss_normalization": "epoch"
+    }
+    assert trainer_row_options("group_by_length") == {}

@@ -26,9 +26,9 @@ constant weighs every token alike); the mean makes the average step as large as 
 The implementation is that same update in the form the Trainer already computes: the loss stays the
 step mean (``num_items_in_batch``: the logged loss and the gradient norm mean what they always did),
 HF's clipping runs unchanged (``Trainer._clip_grad_norm`` -> ``accelerator.clip_grad_norm_``), and the
-clipped gradients are multiplied by ``n / M`` before the optimizer step (the ``on_pre_optimizer_step``
-event, which the Trainer fires after clipping): ``min(1, c/|g|) g * n/M``, the same as the two lines
-above. An SGD step then moves the parameters by exactly that; AdamW's step divides by its running
+clipped gradients are multiplied by ``n / M`` before the optimizer step (the event the Trainer fires
+after clipping, :data:`smart_batching.compat.CLIPPED_GRADIENTS_EVENT`): ``min(1, c/|g|) g * n/M``, the
+same as the two lines above. An SGD step then moves the parameters by exactly that; AdamW's step divides by its running
 second moment, so there the steps enter its first moment in proportion to their tokens (a clipped step
 of few tokens no longer counts as much as one of many) rather than moving the weights in proportion.
 
@@ -121,9 +121,9 @@ class EpochNormalization(TrainerCallback):
         self.factors: list[float] = []
         """Every step's ``n / M``, in order."""
 
-    def on_pre_optimizer_step(
-        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
-    ) -> None:
+    def scale_clipped(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """The handler of :data:`~smart_batching.compat.CLIPPED_GRADIENTS_EVENT`: the step's clipped
+        gradients times ``n / M``."""
         if self.step_targets is None or self.mean_targets is None:
             raise ConfigError(
                 "loss_normalization='epoch' needs the step's target tokens (num_items_in_batch), and this "
@@ -137,6 +137,9 @@ class EpochNormalization(TrainerCallback):
                 torch._foreach_mul_(grads, factor)
         self.factors.append(factor)
         self.step_targets = None
+
+
+setattr(EpochNormalization, compat.CLIPPED_GRADIENTS_EVENT, EpochNormalization.scale_clipped)
 
 
 class StepWeightMixin:
