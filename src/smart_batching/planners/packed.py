@@ -13,6 +13,11 @@ subset sum per row) and repairs the plan by large-neighbourhood search, whose wo
 in n at any capacity (:data:`REFINE_WORK`); at long-context capacities it stops within 0.1 % of the
 lower bound. 50k lognormal lengths (median 4,000) at capacity 32,768: a few milliseconds, rows 1.0001 x
 the lower bound.
+
+``spread`` mixes lengths in every row instead of filling rows tightly: longest processing time (each
+example, longest first, into the emptiest of as many rows as BFD needs, more where one would overflow;
+a min-heap, O(n log rows) per pass). 1M lognormal lengths at capacity 4,096: 0.25 s, rows 99.55 % full
+(BFD: 0.05 s, 99.97 %).
 """
 
 from __future__ import annotations
