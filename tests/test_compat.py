@@ -520,3 +520,40 @@ def test_torch_varlen_call_maps_onto_each_torch_signature():
     if compat.torch_varlen_attn() is not None:
         for window_size in ((-1, 0), (15, 0)):
             assert call(window_size=window_size, scale=None, head_dim=64, gqa=True)[2] is None
+
+
+def test_the_clipped_gradients_event_comes_after_clipping_and_before_the_step(tmp_path, llama):
+    """What hf/step_weight.py relies on: at CLIPPED_GRADIENTS_EVENT the gradients are clipped to
+    max_grad_norm and the parameters not yet updated."""
+    import datasets
+
+    seen = []
+
+    class Probe(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            self.before = [p.detach().clone() for p in model.parameters()]
+
+    def at_event(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        same = all(torch.equal(p, b) for p, b in zip(model.parameters(), self.before, strict=True))
+        seen.append((norm, same))
+
+    setattr(Probe, compat.CLIPPED_GRADIENTS_EVENT, at_event)
+    import copy
+
+    rows = [[(3 * i + j) % 63 + 1 for j in range(12)] for i in range(8)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, per_device_train_batch_size=4,
+        max_grad_norm=1e-3, learning_rate=1e-2, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(llama), args=args,
+        train_dataset=datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        callbacks=[Probe()],
+    )  # fmt: skip
+    trainer.train()
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(seen) == 2 and all(same for _, same in seen)
+    assert all(norm == pytest.approx(1e-3, rel=1e-3) for norm, _ in seen)
+    assert all(float(g) > 1e-2 for g in logged)  # the norm before clipping: far above max_grad_norm

@@ -23,6 +23,7 @@ learning-rate schedule names              :func:`lr_scheduler_types`
 a decoder's layer stack                   :func:`keep_first_layers`, :func:`train_last_layers`
 Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
                                           :data:`TRAINER_ATTRIBUTES`
+the event after gradient clipping         :data:`CLIPPED_GRADIENTS_EVENT`
 DataLoader worker seeding, checkpoints    :func:`seed_worker`, :func:`checkpoint_prefix`, :func:`last_checkpoint`
 accelerate's ``BatchSamplerShard``        :func:`make_shard_passthrough`
 Trainer's column removal                  :func:`remove_unused_columns`
@@ -237,6 +238,11 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
 # Attributes a Trainer instance sets in __init__ that the loss override reads.
 TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func", "accelerator")
 
+
+CLIPPED_GRADIENTS_EVENT = "on_pre_optimizer_step"
+"""The ``TrainerCallback`` event the Trainer fires once per optimizer step after clipping the gradients
+(``Trainer._clip_grad_norm`` -> ``accelerator.clip_grad_norm_``) and before ``optimizer.step()``:
+where :mod:`smart_batching.hf.step_weight` scales the clipped gradients."""
 
 # TrainingArguments.train_sampling_strategy values that leave HF's shuffled sampler in place.
 TRAINER_DEFAULT_SAMPLING = ("random", None)

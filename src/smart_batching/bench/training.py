@@ -41,14 +41,27 @@ class BenchContext:
     records_path: Path
 
 
+TRAINER_ROW_OPTIONS = ("loss_normalization",)
+"""Options a row name may carry for the Trainer rather than the planner:
+``packed[loss_normalization=epoch]`` trains ``packed`` with ``SmartBatchingTrainer(loss_normalization="epoch")``."""
+
+
+def trainer_row_options(name: str) -> dict[str, Any]:
+    """The :data:`TRAINER_ROW_OPTIONS` of a row name (``{}`` for most rows)."""
+    _, variant = parse_strategy(name)
+    return {k: v for k, v in variant.items() if k in TRAINER_ROW_OPTIONS}
+
+
 def strategy_options(
     name: str, *, batch_size: int, max_tokens: int, capacity: int, budgets: dict[str, Any] | None = None
 ) -> tuple[str, dict[str, Any]]:
     """The planner and its options for a strategy name (``group_by_length[megabatch]`` and
-    ``token_budget[window=512]`` variants too); ``budgets`` maps a name to the budget the bench matched
-    for it (``match_steps``), which wins over the shared ``max_tokens`` / ``capacity``."""
+    ``token_budget[window=512]`` variants too; :data:`TRAINER_ROW_OPTIONS` are left to the Trainer);
+    ``budgets`` maps a name to the budget the bench matched for it (``match_steps``), which wins over
+    the shared ``max_tokens`` / ``capacity``."""
 
     base, variant = parse_strategy(name)
+    variant = {k: v for k, v in variant.items() if k not in TRAINER_ROW_OPTIONS}
     options = spec_class(base).options_from(
         Knobs(batch_size=batch_size, max_tokens=max_tokens, capacity=capacity)
     )
@@ -380,6 +393,7 @@ def train_run(
             strategy_options=options,
             seed=seed,
             **_adaptive_options(s),
+            **trainer_row_options(strategy),
         )
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)

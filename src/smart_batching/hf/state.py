@@ -51,6 +51,9 @@ class SmartBatchingState:
         step_weights, step_tokens: with a batch schedule, the size each optimizer step of the run
             realises (in the schedule's unit) and its real tokens, all ranks (planned with the sizes).
         step_stream: with a batch schedule on a streamed dataset, the :class:`~smart_batching.adaptive.stream.StepStream`.
+        loss_normalization: ``"step"`` or ``"epoch"`` (:mod:`smart_batching.hf.step_weight`).
+        epoch_normalization: with ``"epoch"``, its :class:`~smart_batching.hf.step_weight.EpochNormalization`
+            callback (``mean_targets``: the plan's target tokens per step; ``factors``: each step's scale).
     """
 
     spec: Any
@@ -87,3 +90,5 @@ class SmartBatchingState:
     step_weights: Any = None
     step_tokens: Any = None
     step_stream: Any = None
+    loss_normalization: str = "step"
+    epoch_normalization: Any = None

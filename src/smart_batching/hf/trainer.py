@@ -31,6 +31,7 @@ from smart_batching.hf.packed_model import prepare_packed_model
 from smart_batching.hf.precision import describe_precision, warn_slow_cpu_precision
 from smart_batching.hf.resume import ResumeMixin
 from smart_batching.hf.state import SmartBatchingState
+from smart_batching.hf.step_weight import StepWeightMixin
 from smart_batching.hf.upstream import collator_options, resolve_upstream
 from smart_batching.loss import TokenLoss
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec
@@ -39,7 +40,7 @@ from smart_batching.sampler import SegmentDataset, SmartBatchSampler
 logger = logging.getLogger("smart_batching.hf")
 
 
-class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
+class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossMixin):
     """Overrides that make a ``transformers.Trainer`` (or subclass) train on planned batches.
 
     Use :class:`SmartBatchingTrainer`, :func:`with_smart_batching` or :func:`apply_smart_batching`; the
@@ -80,6 +81,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         batch_schedule: Any = None,
         lr_scaling: str | None = None,
         oom_backoff: Any = None,
+        loss_normalization: str = "step",
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -99,6 +101,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
             batch_schedule=batch_schedule,
             lr_scaling=lr_scaling,
             oom_backoff=oom_backoff,
+            loss_normalization=loss_normalization,
         )
 
     def setup_smart_batching(
@@ -118,6 +121,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         batch_schedule: Any = None,
         lr_scaling: str | None = None,
         oom_backoff: Any = None,
+        loss_normalization: str = "step",
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -162,6 +166,12 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
                 optimizer step and keep the lower budget (:mod:`smart_batching.adaptive.backoff`): True,
                 a dict of :class:`~smart_batching.adaptive.backoff.OomBackoff` options, or False. None:
                 off, unless the ``SMART_BATCHING_FAIL_*`` variables inject a fault.
+            loss_normalization: ``"step"`` (HF's: each step's loss is the mean over its own target
+                tokens, ``num_items_in_batch``) or ``"epoch"``: every target token weighs alike in the
+                update also when gradient clipping binds; a step's clipped gradient is multiplied by its
+                target tokens over the plan's mean per step, the same update as a loss over that mean
+                clipped at ``max_grad_norm`` times the same ratio (:mod:`smart_batching.hf.step_weight`).
+                Refused with a streamed dataset, a ``batch_schedule`` and DeepSpeed.
 
         Raises:
             ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
@@ -193,6 +203,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
             guard=previous.guard if previous is not None else None,  # one guard, however often set up
         )
         self._setup_adaptive(batch_schedule, lr_scaling, oom_backoff)
+        self._setup_step_weight(loss_normalization)
 
         self.smart_batching.precision = describe_precision(self)
         warn_slow_cpu_precision(self, self.smart_batching.precision)
@@ -297,6 +308,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, TokenLossMixin):
         if _is_iterable(self.train_dataset):
             return self._streaming_dataloader()
         sampler = self.make_train_sampler()
+        self._plan_step_weight(sampler)
         if self.smart_batching.resume_state is not None:
             sampler.check_state_dict(self.smart_batching.resume_state)
         self.smart_batching.sampler = sampler

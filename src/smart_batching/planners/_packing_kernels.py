@@ -1,4 +1,5 @@
-"""Packing's compiled loops: best-fit and first-fit decreasing, exact row filling, grouping by row.
+"""Packing's compiled loops: best-fit and first-fit decreasing, exact row filling, spreading over a
+number of rows (longest processing time), grouping by row.
 
 Each runs over sizes already sorted in decreasing order (numba, cached on disk): best-fit in O(n) plus
 O(1) word operations per item through a two-level bitmap, first-fit in O(n log rows) through a segment
@@ -108,6 +109,55 @@ def _best_fit_decreasing(sizes, capacity, table, row_of, nxt):  # pragma: no cov
         head[rem] = row
         _set_bit(l0, l1, rem)
     return num_rows
+
+
+def spread_rows(sizes: np.ndarray, num_rows: int) -> tuple[np.ndarray, int]:
+    """Longest-processing-time over sizes sorted in decreasing order: each item goes to the emptiest of
+    ``num_rows`` rows (ties to the lower row), through a binary min-heap: O(n log rows).
+
+    The first ``num_rows`` items open one row each and every later round tops the emptiest rows up, so
+    each row holds about one item of every stretch of ``num_rows`` consecutive sizes: long and short
+    together, with loads within the last item placed of each other.
+
+    Returns:
+        (row_of, max_load): (n,) row of each item, and the largest row's tokens.
+    """
+    row_of = empty(sizes.shape[0])
+    return row_of, int(
+        _spread_rows(sizes, num_rows, row_of, np.zeros(num_rows, dtype=np.int64), empty(num_rows))
+    )
+
+
+@njit(cache=True, nogil=True)
+def _spread_rows(sizes, num_rows, row_of, load, heap):  # pragma: no cover - compiled
+    """:func:`spread_rows` into ``row_of``; ``heap`` holds rows keyed by (load, row). Returns the
+    largest load."""
+    for r in range(num_rows):
+        heap[r] = r  # all loads 0: ordered by row
+    top = 0
+    for i in range(sizes.shape[0]):
+        row = heap[0]
+        row_of[i] = row
+        load[row] += sizes[i]
+        if load[row] > top:
+            top = load[row]
+        j = 0  # sift the grown row down
+        while True:
+            c = 2 * j + 1
+            if c >= num_rows:
+                break
+            if c + 1 < num_rows and (
+                load[heap[c + 1]] < load[heap[c]]
+                or (load[heap[c + 1]] == load[heap[c]] and heap[c + 1] < heap[c])
+            ):
+                c += 1
+            if load[heap[c]] < load[row] or (load[heap[c]] == load[row] and heap[c] < row):
+                heap[j] = heap[c]
+                j = c
+            else:
+                break
+        heap[j] = row
+    return top
 
 
 def first_fit_decreasing(sizes: np.ndarray, capacity: int, max_rows: int) -> tuple[np.ndarray, int]:

@@ -1,0 +1,58 @@
+"""``packed[algorithm=spread]``: rows of mixed lengths with near-equal tokens (longest processing time
+over the rows best-fit-decreasing needs), a golden table and what it changes against ``bfd``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from smart_batching.planners import plan_batches
+from smart_batching.planners._packing_kernels import _CTZ_TABLE, best_fit_decreasing, spread_rows
+from smart_batching.planners.packed import spread
+
+
+def test_spread_golden_table():
+    # 45 tokens fit 3 rows of 15, but spreading 9..1 over 3 rows overflows one (16): 4 rows.
+    lengths = np.array([9, 8, 7, 6, 5, 4, 3, 2, 1])
+    plan = plan_batches(lengths, "packed", capacity=15, algorithm="spread", shuffle=False, seed=0)
+    assert [np.asarray(b).tolist() for b in plan] == [[0, 7, 8], [1, 6], [2, 5], [3, 4]]
+    assert [int(lengths[np.asarray(b)].sum()) for b in plan] == [12, 11, 11, 11]
+
+
+def test_spread_rows_is_longest_processing_time():
+    sizes = np.array([10, 9, 5, 4, 4, 1])
+    row_of, top = spread_rows(sizes, 2)
+    # 10 -> row 0, 9 -> row 1, 5 -> row 1 (9 < 10), 4 -> row 0 (10 < 14), 4 -> row 0 (14 = 14: the lower
+    # row), 1 -> row 1 (14 < 18).
+    assert row_of.tolist() == [0, 1, 1, 0, 0, 1] and top == 18
+    loads = np.bincount(row_of, weights=sizes)
+    assert loads.tolist() == [18.0, 15.0]
+
+
+def test_spread_mixes_lengths_at_near_bfd_rows():
+    """Lognormal lengths (2,000, capacity 4,096): one row more than BFD, rows within 2 % of each other's
+    tokens, and the length variance between rows gone (BFD's rows are length strata)."""
+    lengths = np.random.default_rng(1).lognormal(5, 0.6, size=2000).astype(np.int64) + 1
+    shares, rows, loads = {}, {}, {}
+    for algorithm in ("bfd", "spread"):
+        plan = plan_batches(lengths, "packed", capacity=4096, algorithm=algorithm, seed=0)
+        steps = [np.asarray(b) for b in plan]
+        grand = lengths.mean()
+        between = sum(len(b) * (lengths[b].mean() - grand) ** 2 for b in steps)
+        shares[algorithm] = between / ((lengths - grand) ** 2).sum()
+        rows[algorithm] = len(plan)
+        loads[algorithm] = np.array([lengths[b].sum() for b in steps])
+        assert sorted(np.concatenate(steps).tolist()) == list(range(2000))
+        assert loads[algorithm].max() <= 4096
+    assert rows["spread"] <= rows["bfd"] + 1
+    assert shares["bfd"] > 0.5 and shares["spread"] < 0.01
+    assert loads["spread"].max() - loads["spread"].min() <= 0.02 * 4096
+
+
+def test_spread_grows_rows_until_none_overflows():
+    sizes = np.sort(np.random.default_rng(1).integers(1, 100, size=500))[::-1].copy()
+    row_of, num_rows = spread(sizes, 120)
+    assert np.bincount(row_of, weights=sizes, minlength=num_rows).max() <= 120
+    assert (np.bincount(row_of, minlength=num_rows) > 0).all()
+    # Spread over the rows BFD needs, the fullest row overflows here: spread took more rows.
+    _, bfd_rows = best_fit_decreasing(sizes, 120, _CTZ_TABLE)
+    assert spread_rows(sizes, bfd_rows)[1] > 120 and num_rows > bfd_rows
