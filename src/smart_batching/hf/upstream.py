@@ -56,7 +56,8 @@ UPSTREAM_OPTIONS: tuple[UpstreamOption, ...] = (
     UpstreamOption(TA, "label_smoothing_factor",
         "Honoured: the Trainer's label smoother is kept (target-only logits step aside)."),
     UpstreamOption(TA, "auto_find_batch_size",
-        "Refused: the plan sets the batch sizes; use `max_tokens=\"auto\"` / `capacity=\"auto\"`."),
+        "Refused: the plan sets the batch sizes; use `max_tokens=\"auto\"` / `capacity=\"auto\"` "
+        "(on a `DPOTrainer`, which refuses those: a number of tokens)."),
     UpstreamOption(TA, "gradient_accumulation_steps",
         "Honoured: the loss of an optimizer step is normalised by the target tokens of all its "
         "micro-batches; with several processes each step deals that many micro-batches per rank."),
