@@ -190,7 +190,7 @@ def strategy_of(
 
 def epoch_shape(trainer: Any) -> dict[str, int]:
     """Tokens the backbone runs and positions the LM head scores over one epoch of the trainer's batches."""
-    from smart_batching.hf.dpo_collate import PACKED_PAIRS
+    from smart_batching.hf.dpo.collate import PACKED_PAIRS
 
     tokens = targets = scored = batches = 0
     for batch in trainer.get_train_dataloader():
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from smart_batching.bench.machine import machine_info, machine_line, versions
     from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.hf import apply_smart_batching
-    from smart_batching.hf.dpo_collate import dataset_pair_lengths
+    from smart_batching.hf.dpo.collate import dataset_pair_lengths
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()

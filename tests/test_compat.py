@@ -185,6 +185,19 @@ def test_a_trainer_instance_has_the_attributes_the_loss_override_reads(tmp_path,
     assert isinstance(trainer.model_accepts_loss_kwargs, bool)
 
 
+def test_is_hf_trainer_recognises_instances_and_classes(tmp_path, llama):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+
+    class Mine(transformers.Trainer):
+        pass
+
+    trainer = Mine(model=llama, args=args)
+    assert compat.is_hf_trainer(trainer) and compat.is_hf_trainer(Mine)
+    assert compat.is_hf_trainer(transformers.Trainer)
+    assert not compat.is_hf_trainer(object()) and not compat.is_hf_trainer(object)
+    assert not compat.is_hf_trainer(transformers.TrainingArguments)
+
+
 def test_a_moved_trainer_hook_is_named():
     class Moved(transformers.Trainer):
         def get_batch_samples(self, iterator, n):  # pragma: no cover - only inspected

@@ -31,8 +31,8 @@ from smart_batching.attention.prefix_sharing import (  # noqa: E402
 from smart_batching.errors import ConfigError  # noqa: E402
 from smart_batching.hf import apply_smart_batching  # noqa: E402
 from smart_batching.hf.dpo import pair_log_probs, preference_dataloader, prepare_pair_model  # noqa: E402
-from smart_batching.hf.dpo_collate import PACKED_PAIRS, PairCollator, pair_lengths  # noqa: E402
-from smart_batching.hf.dpo_model import check_pair_layout  # noqa: E402
+from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator, pair_lengths  # noqa: E402
+from smart_batching.hf.dpo.model import check_pair_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,7 @@
 """No import cycle in the package: module-level imports point one way, those under ``TYPE_CHECKING``
-included (an AST scan; imports inside functions are deferred on purpose and not counted)."""
+included (an AST scan). Imports inside functions are deferred on purpose (heavy optional dependencies),
+never to dodge a cycle: counted too, the package still has none. In ``hf/`` the trainer kinds' adapters
+sit between the shared core and the entry points, and no adapter imports another."""
 
 from __future__ import annotations
 
@@ -31,14 +33,21 @@ def _module_level(tree: ast.Module) -> list[ast.stmt]:
     return out
 
 
-def import_graph(root: Path = SRC, package: str = PACKAGE) -> dict[str, set[str]]:
-    """``{module: modules of the package it imports at module level}``."""
+def _everywhere(tree: ast.Module) -> list[ast.AST]:
+    """Every statement, those in function and class bodies included."""
+    return list(ast.walk(tree))
+
+
+def import_graph(root: Path = SRC, package: str = PACKAGE, *, deferred: bool = False) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports at module level}`` (``deferred``: anywhere, inside
+    functions too)."""
     files = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+    statements = _everywhere if deferred else _module_level
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
         edges = set()
-        for node in _module_level(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in statements(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -87,6 +96,45 @@ def test_no_import_cycle_in_the_package() -> None:
     assert "smart_batching.planners._spec" in graph["smart_batching.planners._common"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_inside_a_function_closes_a_cycle() -> None:
+    graph = import_graph(deferred=True)
+    assert "smart_batching.hf.kinds" in graph["smart_batching.hf"]  # the scan saw hf/
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle through an import inside a function: " + " -> ".join(cycle or [])
+
+
+HF = f"{PACKAGE}.hf"
+ENTRY = {HF, f"{HF}.kinds"}  # the package and the registry with the entry points
+
+
+ADAPTERS = sorted(f"{HF}.{p.parent.name}" for p in (SRC / PACKAGE / "hf").glob("*/__init__.py"))
+"""The sub-packages of ``hf/``: one adapter each."""
+
+
+def _adapter(module: str) -> str | None:
+    """The adapter sub-package of ``hf/`` that ``module`` belongs to, or None (the core or the entry)."""
+    return next((a for a in ADAPTERS if module == a or module.startswith(a + ".")), None)
+
+
+def test_hf_adapters_sit_between_the_core_and_the_entry_points() -> None:
+    graph = import_graph(deferred=True)
+    hf = {m: edges for m, edges in graph.items() if m == HF or m.startswith(HF + ".")}
+    adapters = set(ADAPTERS)
+    assert {f"{HF}.sft", f"{HF}.dpo"} <= adapters
+    for module, edges in hf.items():
+        mine = _adapter(module)
+        for target in edges:
+            theirs = _adapter(target)
+            if module in ENTRY:
+                continue
+            assert target not in ENTRY, f"{module} imports the entry point {target}"
+            if mine is None:
+                assert theirs is None, f"the shared core ({module}) imports the adapter {target}"
+            else:
+                assert theirs in (None, mine), f"the adapter {mine} imports another adapter ({target})"
+    assert adapters <= graph[f"{HF}.kinds"], "the registry imports every adapter"
 
 
 def test_the_plan_value_is_a_leaf() -> None:

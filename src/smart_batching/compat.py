@@ -248,6 +248,18 @@ where :mod:`smart_batching.hf.step_weight` scales the clipped gradients."""
 TRAINER_DEFAULT_SAMPLING = ("random", None)
 
 
+def is_hf_trainer(trainer: Any) -> bool:
+    """``trainer`` is a ``transformers.Trainer``, a subclass or an instance of one; transformers is not
+    imported if it is not loaded (then nothing is one)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "Trainer", None) if transformers is not None else None
+    if base is None:
+        return False
+    return issubclass(trainer, base) if isinstance(trainer, type) else isinstance(trainer, base)
+
+
 def missing_trainer_hooks(trainer_class: type | None = None) -> list[str]:
     """What of :data:`TRAINER_HOOKS` the installed ``Trainer`` lacks: ``"name"`` or ``"name(param)"``."""
     if trainer_class is None:

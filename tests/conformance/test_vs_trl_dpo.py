@@ -2,7 +2,7 @@
 pairs, the policy's and the reference model's per-token log-probabilities, the loss, its gradients and
 every metric TRL logs (rewards, margins, accuracies, log-probabilities, logits, entropy, token counts)
 equal TRL alone's, for each ``loss_type`` TRL 1.16 offers, under ``group_by_length``, ``token_budget``
-and ``packed`` (prompt shared, and not). Each row of :data:`smart_batching.hf.dpo_upstream.DPO_OPTIONS`
+and ``packed`` (prompt shared, and not). Each row of :data:`smart_batching.hf.dpo.upstream.DPO_OPTIONS`
 is held by a test here (:data:`ROW_TESTS`).
 
 Upstream: TRL 1.16 ``trl/trainer/dpo_trainer.py`` (``DataCollatorForPreference``, ``_compute_loss``,
@@ -31,8 +31,8 @@ trl = pytest.importorskip("trl")
 
 from smart_batching.errors import ConfigError  # noqa: E402
 from smart_batching.hf import apply_smart_batching  # noqa: E402
-from smart_batching.hf.dpo_collate import PACKED_PAIRS, PairCollator  # noqa: E402
-from smart_batching.hf.dpo_upstream import DPO_OPTIONS, dpo_markdown_table  # noqa: E402
+from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator  # noqa: E402
+from smart_batching.hf.dpo.upstream import DPO_OPTIONS, dpo_markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

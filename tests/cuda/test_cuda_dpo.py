@@ -77,7 +77,7 @@ def test_packed_shared_prompt_pairs_equal_trl_padded(device, dtype):
     pytest.importorskip("datasets", reason="the DPO check builds TRL's dataset with datasets")
     pytest.importorskip("trl", reason="the DPO check compares with TRL's DPOTrainer")
     from smart_batching.hf import apply_smart_batching
-    from smart_batching.hf.dpo_collate import PACKED_PAIRS, PairCollator
+    from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator
 
     lp_atol, loss_rtol, grad_rtol = TOLERANCE[dtype]
     what = f"DPO packed (prompt shared), {dtype} on {device.type}"

@@ -10,9 +10,13 @@
     )
     trainer.train()
 
-or, for a trainer that already exists (TRL's ``SFTTrainer``, your own subclass)::
+or, for a trainer that already exists (TRL's ``SFTTrainer`` or ``DPOTrainer``, your own subclass)::
 
     apply_smart_batching(trainer, "token_budget", max_tokens=16384)
+
+``apply_smart_batching`` and ``with_smart_batching`` look the trainer's kind up (:mod:`.kinds`): each kind
+is adapted by one sub-package (:mod:`.sft` for ``Trainer`` and ``SFTTrainer``, :mod:`.dpo` for
+``DPOTrainer``) over the shared core below them (:mod:`.trainer`, :mod:`.data`, :mod:`.loss`, ...).
 
 What it changes, and why:
 
@@ -63,14 +67,10 @@ from smart_batching.hf.data import (  # noqa: E402
     model_input_dataset,
     smart_dataloader,
 )
+from smart_batching.hf.kinds import apply_smart_batching, with_smart_batching  # noqa: E402
 from smart_batching.hf.packed_model import prepare_packed_model  # noqa: E402
 from smart_batching.hf.resume import SAMPLER_STATE_NAME, read_sampler_state  # noqa: E402
-from smart_batching.hf.trainer import (  # noqa: E402
-    SmartBatchingMixin,
-    SmartBatchingTrainer,
-    apply_smart_batching,
-    with_smart_batching,
-)
+from smart_batching.hf.trainer import SmartBatchingMixin, SmartBatchingTrainer  # noqa: E402
 
 __all__ = [
     "MODEL_INPUT_COLUMNS",

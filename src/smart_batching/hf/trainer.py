@@ -1,14 +1,14 @@
-"""The Trainer integration: :class:`SmartBatchingTrainer`, :func:`with_smart_batching` and
-:func:`apply_smart_batching`; the train DataLoader on planned batches (map-style, streamed, several
-processes). Loss and resume overrides live in :mod:`.loss` and :mod:`.resume`."""
+"""The Trainer integration every trainer kind builds on: :class:`SmartBatchingMixin` and
+:class:`SmartBatchingTrainer`; the train DataLoader on planned batches (map-style, streamed, several
+processes). Loss and resume overrides live in :mod:`.loss` and :mod:`.resume`; the kinds' adapters
+(:mod:`.sft`, :mod:`.dpo`) and the entry points (:mod:`.kinds`) sit above."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -16,6 +16,7 @@ from transformers import Trainer
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
+from smart_batching.hf.adapter import EXAMPLES, Accepts
 from smart_batching.hf.adaptive import AdaptiveMixin
 from smart_batching.hf.data import (
     _is_iterable,
@@ -54,6 +55,9 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
     :data:`smart_batching.compat.TRAINER_HOOKS` lists them with the parameters relied on, and
     ``setup_smart_batching`` refuses a transformers whose Trainer moved one.
     """
+
+    sb_accepts: ClassVar[Accepts] = EXAMPLES
+    """What this trainer kind accepts, from which its refusals phrase their advice (a kind's mixin sets its own)."""
 
     @property
     def sb_spec(self) -> Any:
@@ -419,56 +423,3 @@ class SmartBatchingTrainer(SmartBatchingMixin, Trainer):
     ``length_column``, ``seed``, ``packed_attention``, ``shift_labels``. A ``data_collator`` you pass is
     kept (it must honour ``segment_start``/``segment_length`` when the strategy truncates or splits).
     """
-
-
-_MIXED: dict[type, type] = {}
-
-
-def with_smart_batching(trainer_cls: type) -> type:
-    """A subclass of ``trainer_cls`` (e.g. TRL's ``SFTTrainer``) with the smart-batching overrides
-    (for TRL's ``DPOTrainer``: :func:`smart_batching.hf.dpo.with_dpo_smart_batching`)."""
-    if compat.is_trl_dpo_trainer(trainer_cls):
-        from smart_batching.hf.dpo import with_dpo_smart_batching
-
-        return with_dpo_smart_batching(trainer_cls)
-    if issubclass(trainer_cls, SmartBatchingMixin):
-        return trainer_cls
-    if trainer_cls not in _MIXED:
-        _MIXED[trainer_cls] = type(
-            f"SmartBatching{trainer_cls.__name__}", (SmartBatchingMixin, trainer_cls), {}
-        )
-    return _MIXED[trainer_cls]
-
-
-def apply_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **options: Any) -> Any:
-    """Switch an existing trainer to planned batches, in place.
-
-    The trainer's class is swapped for :func:`with_smart_batching` of it, so its own overrides (e.g.
-    ``SFTTrainer.compute_loss``) stay in force. Call it before ``trainer.train()``.
-
-    Args:
-        trainer: A ``transformers.Trainer`` (or subclass) instance.
-        strategy: A strategy name or spec.
-        **options: ``strategy_options=``, ``lengths=``, ``seed=``, ... as in
-            :meth:`SmartBatchingMixin.setup_smart_batching`, or the strategy's own fields directly
-            (``max_tokens=16384``).
-
-    Returns:
-        The same trainer.
-    """
-    if compat.is_trl_dpo_trainer(trainer):  # pairs are the units: smart_batching.hf.dpo
-        from smart_batching.hf.dpo import apply_dpo_smart_batching
-
-        return apply_dpo_smart_batching(trainer, strategy, **options)
-    # Options of setup_smart_batching go there; the rest are the strategy's own fields.
-    setup_keys = set(inspect.signature(SmartBatchingMixin.setup_smart_batching).parameters) - {
-        "self",
-        "strategy",
-    }
-    setup = {k: v for k, v in options.items() if k in setup_keys}
-    spec_options = {k: v for k, v in options.items() if k not in setup_keys}
-    if spec_options:
-        setup["strategy_options"] = {**dict(setup.get("strategy_options") or {}), **spec_options}
-    trainer.__class__ = with_smart_batching(type(trainer))
-    trainer.setup_smart_batching(strategy, **setup)
-    return trainer

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from smart_batching.errors import ConfigError
+from smart_batching.hf.adapter import EXAMPLES, Accepts
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ UPSTREAM_OPTIONS: tuple[UpstreamOption, ...] = (
     UpstreamOption(TA, "label_smoothing_factor",
         "Honoured: the Trainer's label smoother is kept (target-only logits step aside)."),
     UpstreamOption(TA, "auto_find_batch_size",
-        "Refused: the plan sets the batch sizes; use `max_tokens=\"auto\"` / `capacity=\"auto\"`."),
+        "Refused: the plan sets the batch sizes; use `max_tokens=\"auto\"` / `capacity=\"auto\"` "
+        "(on a `DPOTrainer`, which refuses those: a number of tokens)."),
     UpstreamOption(TA, "gradient_accumulation_steps",
         "Honoured: the loss of an optimizer step is normalised by the target tokens of all its "
         "micro-batches; with several processes each step deals that many micro-batches per rank."),
@@ -96,7 +98,12 @@ UPSTREAM_OPTIONS: tuple[UpstreamOption, ...] = (
 
 
 def resolve_upstream(
-    trainer: Any, strategy: Any, options: dict[str, Any], *, own_collator: bool
+    trainer: Any,
+    strategy: Any,
+    options: dict[str, Any],
+    *,
+    own_collator: bool,
+    accepts: Accepts | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Apply :data:`UPSTREAM_OPTIONS` to a trainer about to be set up for ``strategy``.
 
@@ -105,6 +112,8 @@ def resolve_upstream(
         strategy: The strategy's name, or a spec (whose fields all count as given).
         options: The strategy options the caller gave (not changed).
         own_collator: smart batching's collator is installed (not the caller's ``data_collator``).
+        accepts: What the trainer's kind accepts: the refusals advise only that. None: the trainer's
+            ``sb_accepts`` (its kind's mixin declares it), else everything the core offers.
 
     Returns:
         ``(options, decisions)``: the strategy options with the honoured upstream values filled in, and
@@ -117,6 +126,8 @@ def resolve_upstream(
     from smart_batching.planners import PlannerSpec, spec_class, strategy_names
 
     args = trainer.args
+    if accepts is None:
+        accepts = getattr(trainer, "sb_accepts", EXAMPLES)
     cls = spec_class(strategy)
     name = cls.name
     spec_fields = {f.name for f in fields(cls)}
@@ -160,14 +171,14 @@ def resolve_upstream(
     if getattr(args, "auto_find_batch_size", False):
         raise ConfigError(
             "auto_find_batch_size=True: the plan sets the batch sizes, so HF's halving would change nothing; set "
-            "auto_find_batch_size=False and use strategy_options={'max_tokens': 'auto'} (or 'capacity': 'auto')"
+            f"auto_find_batch_size=False and {accepts.budget_advice()}"
         )
 
     label_names = getattr(args, "label_names", None)
     if own_collator and label_names and list(label_names) != ["labels"]:
         raise ConfigError(
-            f"label_names={list(label_names)}: smart batching's collators write 'labels'; pass your own "
-            "data_collator that writes these, or set label_names=None"
+            f"label_names={list(label_names)}: smart batching's collators write 'labels'; "
+            f"{accepts.label_names_advice()}"
         )
 
     # TRL's SFTConfig (duck-typed: TRL is not imported here).

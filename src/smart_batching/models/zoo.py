@@ -150,7 +150,7 @@ def _smollm2(options: dict[str, Any]) -> Any:
     import torch
 
     from smart_batching import compat
-    from smart_batching.models import load_model
+    from smart_batching.models.assets import load_model
 
     unknown = sorted(set(options) - set(LAYER_OPTIONS))
     if unknown:

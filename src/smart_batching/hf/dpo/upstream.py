@@ -2,7 +2,9 @@
 
 :data:`DPO_OPTIONS` is the README's DPO table (``tests/conformance/test_vs_trl_dpo.py`` holds each row);
 ``TrainingArguments`` options follow :data:`smart_batching.hf.upstream.UPSTREAM_OPTIONS` as for any
-trainer. :func:`resolve_dpo_upstream` applies both.
+trainer. :func:`resolve_dpo_upstream` applies both. :data:`PAIRS` is what the kind accepts where a
+refusal advises (a pair is one unit: never cut; no searched budget), :data:`REFUSALS` the options of
+``apply_smart_batching`` it refuses.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
+from smart_batching.hf.adapter import Accepts, either
 from smart_batching.hf.upstream import UpstreamOption, _names, resolve_upstream
 
 DPO = "DPOConfig"
@@ -58,7 +61,18 @@ DPO_OPTIONS: tuple[UpstreamOption, ...] = (
         "Refused for DPO: the search measures one model's step, DPO runs two; give a number."),
 )  # fmt: skip
 
-SPLIT_POLICIES = ("truncate", "split")
+PAIRS = Accepts(unit="pair", auto_budget=False, overlong=("error", "drop"), own_collator=False)
+"""What a ``DPOTrainer`` accepts where a refusal advises: a pair is one unit (it is never truncated or
+split: ``overlong`` is ``'error'`` or ``'drop'``), budgets are numbers (the search measures one model's
+step; DPO runs two), and its collators are TRL's or :class:`~smart_batching.hf.dpo.collate.PairCollator`
+(other label names are not written by a collator of yours)."""
+
+REFUSALS = dict.fromkeys(
+    ("batch_schedule", "lr_scaling", "oom_backoff"),
+    "preference pairs take no adaptive batch size; remove it, or set a fixed max_tokens / capacity for the pairs",
+)
+"""``apply_smart_batching`` options refused on a ``DPOTrainer``: the adaptive step (pieces of a step,
+out-of-memory back-off) is left out, TRL's ``training_step`` runs."""
 
 
 def resolve_dpo_upstream(
@@ -76,7 +90,7 @@ def resolve_dpo_upstream(
 
     cls = spec_class(strategy)
     name = cls.name
-    if "auto" in (options.get("max_tokens"), options.get("capacity")):
+    if not PAIRS.auto_budget and "auto" in (options.get("max_tokens"), options.get("capacity")):
         raise ConfigError(
             "max_tokens='auto' / capacity='auto' are not available for DPOTrainer (the search measures one "
             "model's step; DPO runs the policy and the reference model): give a number of tokens"
@@ -87,7 +101,7 @@ def resolve_dpo_upstream(
             f"DPOConfig(padding_free=True) asks for padding-free rows, but strategy {name!r} pads: use "
             "strategy='packed', or set padding_free=False"
         )
-    out, decided = resolve_upstream(trainer, strategy, options, own_collator=True)
+    out, decided = resolve_upstream(trainer, strategy, options, own_collator=True, accepts=PAIRS)
     if getattr(args, "padding_free", False):
         decided["padding_free"] = "padding-free rows (strategy packed)"
     spec_fields = {f.name for f in fields(cls)}
@@ -98,10 +112,10 @@ def resolve_dpo_upstream(
             "batching has no token counts to plan; train it without apply_smart_batching"
         )
     overlong = out.get("overlong")
-    if overlong in SPLIT_POLICIES:
+    if overlong is not None and overlong not in PAIRS.overlong:
         raise ConfigError(
-            f"overlong={overlong!r} would cut a pair into pieces; a pair is one unit: set overlong='error' "
-            "(raise the budget) or 'drop' (leave the longest pairs out, counted)"
+            f"overlong={overlong!r} would cut a pair into pieces; a pair is one unit: set "
+            f"overlong={either(PAIRS.overlong)}"
         )
     max_length = getattr(args, "max_length", None)
     if cls.packs_rows:
@@ -140,4 +154,4 @@ def dpo_markdown_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DPO_OPTIONS", "dpo_markdown_table", "resolve_dpo_upstream"]
+__all__ = ["DPO_OPTIONS", "PAIRS", "REFUSALS", "dpo_markdown_table", "resolve_dpo_upstream"]

@@ -21,8 +21,10 @@ from torch.utils.data import DataLoader
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
-from smart_batching.hf.dpo_collate import PACKED_PAIRS, PairCollator, dataset_pair_lengths
-from smart_batching.hf.dpo_model import check_pair_layout
+from smart_batching.hf.adapter import either
+from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator, dataset_pair_lengths
+from smart_batching.hf.dpo.model import check_pair_layout
+from smart_batching.hf.dpo.upstream import PAIRS
 from smart_batching.planners import DEFAULT_STRATEGY, spec_class
 
 
@@ -52,7 +54,7 @@ def preference_dataloader(
         **options: Strategy fields (``capacity=``, ``max_tokens=``, ``batch_size=``) and DataLoader keywords.
 
     Returns:
-        The DataLoader; batches are :class:`~smart_batching.hf.dpo_collate.PairCollator` outputs (run them
+        The DataLoader; batches are :class:`~smart_batching.hf.dpo.collate.PairCollator` outputs (run them
         with :func:`pair_log_probs`); ``loader.batch_sampler`` is the sampler.
     """
     from dataclasses import fields
@@ -70,7 +72,9 @@ def preference_dataloader(
     ).costs(layout)
     sampler = SmartBatchSampler(costs, strategy, seed=seed, units=plan_units(costs), **plan_options)
     if sampler.yields_segments:
-        raise ConfigError("a pair is one unit: set overlong='error' or 'drop', not 'truncate' or 'split'")
+        raise ConfigError(
+            f"a pair is one unit: set overlong={either(PAIRS.overlong)}, not {sampler.spec.overlong!r}"
+        )
     collator = PairCollator(
         pad_token_id=pad_token_id, layout=layout, max_length=max_length, truncation_mode=truncation_mode,
         columns=columns,
@@ -82,7 +86,7 @@ def preference_dataloader(
 
 def prepare_pair_model(model: Any, *, prompt_sharing: bool = True) -> Any:
     """Switch ``model`` to the attention packed pair rows need and check it on a probe pair (see
-    :func:`~smart_batching.hf.dpo_model.check_pair_layout`). Returns the model."""
+    :func:`~smart_batching.hf.dpo.model.check_pair_layout`). Returns the model."""
     from smart_batching.attention.prefix_sharing import enable_prefix_shared_attention
 
     enable_prefix_shared_attention(model)

@@ -23,7 +23,7 @@ Beside the row, the batch carries TRL's own padded view (``input_ids``, ``attent
 ``completion_mask``, ``(2 * pairs, width)``, exactly what ``DataCollatorForPreference`` returns): TRL's
 loss and metrics read it unchanged. Only the row is run through the model; ``source`` says which row
 position's hidden state predicts each target token of the padded view (the hooks of
-:mod:`smart_batching.hf.dpo_model` put the log-probabilities back in place).
+:mod:`smart_batching.hf.dpo.model` put the log-probabilities back in place).
 """
 
 from __future__ import annotations

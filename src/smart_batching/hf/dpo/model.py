@@ -7,7 +7,7 @@ mean logit, top-1 and, for WPO, ``log_sum_sq_probs``) of shape ``(2 * pairs, wid
 label is -100, and every loss and metric of TRL reads them there. :class:`PairForward` hooks the model
 so that TRL's call runs something cheaper and returns the same tensors:
 
-* **packed batches** (a ``packed_pairs`` entry, :class:`~smart_batching.hf.dpo_collate.PairCollator`):
+* **packed batches** (a ``packed_pairs`` entry, :class:`~smart_batching.hf.dpo.collate.PairCollator`):
   the backbone runs on the padding-free row (prompt once per pair with prompt sharing);
 * **padded batches** (``target_logits_only``): the backbone runs on TRL's batch as it is;
 
@@ -30,7 +30,7 @@ import torch
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError, DataError
-from smart_batching.hf.dpo_collate import PACKED_PAIRS, PairCollator
+from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator
 
 
 class PairForward:

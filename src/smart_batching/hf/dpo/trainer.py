@@ -1,4 +1,4 @@
-"""TRL's ``DPOTrainer`` on planned batches: preference pairs are the units.
+"""TRL's ``DPOTrainer`` on planned batches: preference pairs are the units (the kind's mixin).
 
 ::
 
@@ -11,21 +11,21 @@ What it changes, and why:
 
 * **The plan.** Each pair (prompt, chosen, rejected, as TRL prepared it) is one unit, so its chosen and
   rejected sequences always share a micro-batch. The planner sees the pair's cost in tokens
-  (:meth:`~smart_batching.hf.dpo_collate.PairLengths.costs`, after TRL's truncation): two rows as wide as
+  (:meth:`~smart_batching.hf.dpo.collate.PairLengths.costs`, after TRL's truncation): two rows as wide as
   its longer sequence for the padded strategies, both sequences for ``packed``, and prompt + chosen +
   rejected (the prompt once) for ``packed`` with prompt sharing. Any strategy plans these lengths
   (:func:`smart_batching.plan_batches`); with several processes the distributed sampler balances each
   step's pair costs across ranks.
-* **The rows** (strategy ``packed``): :class:`~smart_batching.hf.dpo_collate.PairCollator` puts the pairs
+* **The rows** (strategy ``packed``): :class:`~smart_batching.hf.dpo.collate.PairCollator` puts the pairs
   of a batch in one padding-free row, each pair as prompt, chosen, rejected under the shared-prefix mask
   (:mod:`smart_batching.attention.prefix_sharing`), or as its two sequences (``prompt_sharing=False``).
   The policy and the reference model are switched to that attention and checked on a probe pair before
-  step 1 (:func:`~smart_batching.hf.dpo_model.check_pair_layout`).
-* **The log-probabilities.** TRL's loss code is not replaced: :class:`~smart_batching.hf.dpo_model.PairForward`
+  step 1 (:func:`~smart_batching.hf.dpo.model.check_pair_layout`).
+* **The log-probabilities.** TRL's loss code is not replaced: :class:`~smart_batching.hf.dpo.model.PairForward`
   hooks the models so that TRL's fused LM head scores only the target tokens, from the packed row (or
   TRL's padded batch), and returns them in TRL's padded layout. Every ``loss_type``, ``ld_alpha``,
   ``use_weighting`` and the logged reward metrics then see values equal to TRL's own padded computation
-  (to floating-point summation order); :data:`~smart_batching.hf.dpo_upstream.DPO_OPTIONS` lists each
+  (to floating-point summation order); :data:`~smart_batching.hf.dpo.upstream.DPO_OPTIONS` lists each
   ``DPOConfig`` option and what happens to it.
 * **The step's loss.** TRL averages the pairs of a micro-batch and the Trainer averages micro-batches;
   planned micro-batches hold different numbers of pairs, so each micro-batch's loss is reweighted by its
@@ -35,22 +35,21 @@ What it changes, and why:
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
+from smart_batching.hf.adapter import Accepts, refuse_overlong, split_options
 from smart_batching.hf.data import _is_iterable
-from smart_batching.hf.dpo_collate import PairCollator, PairLengths, dataset_pair_lengths
-from smart_batching.hf.dpo_loop import pair_log_probs, preference_dataloader, prepare_pair_model
-from smart_batching.hf.dpo_model import PairForward, check_pair_layout, pair_models
-from smart_batching.hf.dpo_upstream import resolve_dpo_upstream
+from smart_batching.hf.dpo.collate import PairCollator, PairLengths, dataset_pair_lengths
+from smart_batching.hf.dpo.model import PairForward, check_pair_layout, pair_models
+from smart_batching.hf.dpo.upstream import PAIRS, resolve_dpo_upstream
 from smart_batching.hf.state import SmartBatchingState
 from smart_batching.hf.trainer import SmartBatchingMixin, _empty_policy
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec
@@ -67,7 +66,7 @@ class DPOSmartBatchingState(SmartBatchingState):
         trl_collator: the trainer's own collator (TRL's ``DataCollatorForPreference``), kept for the
             padded strategies.
         pairs: the pairs' token counts after truncation (set when the sampler is made).
-        forwards: the :class:`~smart_batching.hf.dpo_model.PairForward` hooks on the policy and reference.
+        forwards: the :class:`~smart_batching.hf.dpo.model.PairForward` hooks on the policy and reference.
         step_pairs: pairs in the optimizer step being trained, over all ranks (None: no reweighting).
         step_batches: micro-batches in that step on this rank.
     """
@@ -94,6 +93,8 @@ class DPOSmartBatchingMixin(SmartBatchingMixin):
     :func:`~smart_batching.hf.with_smart_batching` of its class; options are described on
     :meth:`setup_smart_batching`.
     """
+
+    sb_accepts: ClassVar[Accepts] = PAIRS
 
     def __init__(
         self,
@@ -239,6 +240,7 @@ class DPOSmartBatchingMixin(SmartBatchingMixin):
         state = self.smart_batching
         state.pairs = self.pair_lengths()
         state.lengths = state.pairs.costs(state.layout)
+        refuse_overlong(state.lengths, state.spec, self.sb_accepts)  # the planners' advice would cut a pair
         return super().make_train_sampler()
 
     def get_train_dataloader(self) -> DataLoader:
@@ -311,20 +313,7 @@ def with_dpo_smart_batching(trainer_cls: type) -> type:
 def apply_dpo_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **options: Any) -> Any:
     """:func:`~smart_batching.hf.apply_smart_batching` for a ``DPOTrainer``: options of
     :meth:`DPOSmartBatchingMixin.setup_smart_batching` go there, the rest are the strategy's fields."""
-    setup_keys = set(inspect.signature(DPOSmartBatchingMixin.setup_smart_batching).parameters) - {
-        "self",
-        "strategy",
-    }
-    adaptive = sorted({"batch_schedule", "lr_scaling", "oom_backoff"} & set(options))
-    if adaptive:
-        raise ConfigError(
-            f"{', '.join(adaptive)} is not supported on a DPOTrainer (preference pairs): remove it, or set "
-            "a fixed max_tokens / capacity for the pairs"
-        )
-    setup = {k: v for k, v in options.items() if k in setup_keys}
-    spec_options = {k: v for k, v in options.items() if k not in setup_keys}
-    if spec_options:
-        setup["strategy_options"] = {**dict(setup.get("strategy_options") or {}), **spec_options}
+    setup = split_options(DPOSmartBatchingMixin.setup_smart_batching, options)
     trainer.__class__ = with_dpo_smart_batching(type(trainer))
     trainer.setup_smart_batching(strategy, **setup)
     return trainer
@@ -334,8 +323,5 @@ __all__ = [
     "DPOSmartBatchingMixin",
     "DPOSmartBatchingState",
     "apply_dpo_smart_batching",
-    "pair_log_probs",
-    "preference_dataloader",
-    "prepare_pair_model",
     "with_dpo_smart_batching",
 ]
