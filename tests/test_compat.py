@@ -570,3 +570,15 @@ def test_the_clipped_gradients_event_comes_after_clipping_and_before_the_step(tm
     assert len(seen) == 2 and all(same for _, same in seen)
     assert all(norm == pytest.approx(1e-3, rel=1e-3) for norm, _ in seen)
     assert all(float(g) > 1e-2 for g in logged)  # the norm before clipping: far above max_grad_norm
+
+
+def test_trl_online_trainer_name_reads_trl_s_online_trainers():
+    trl = pytest.importorskip("trl")
+    assert compat.trl_online_trainer_name(trl.SFTTrainer) is None
+    assert compat.trl_online_trainer_name(transformers.Trainer) is None
+    assert compat.trl_online_trainer_name(object()) is None
+    present = [n for n in compat.TRL_ONLINE_TRAINERS if hasattr(trl, n)]
+    assert "GRPOTrainer" in present  # TRL still exports it under this name
+    for name in present:
+        sub = type("Mine", (getattr(trl, name),), {})
+        assert compat.trl_online_trainer_name(sub) == name

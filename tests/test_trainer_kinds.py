@@ -155,6 +155,20 @@ def test_an_unknown_kind_is_refused_with_the_kinds_there_are():
             assert name in str(err.value)
 
 
+@pytest.mark.parametrize("name", [n for n in ("GRPOTrainer", "RLOOTrainer") if hasattr(trl, n)])
+def test_trl_online_trainers_are_refused_by_name(name):
+    """TRL's GRPOTrainer subclasses Trainer but trains on completions it generates: no kind plans it yet,
+    so it is refused by name (a subclass too) instead of being planned as a dataset of examples."""
+    online = getattr(trl, name)
+    mine = type(f"My{name}", (online,), {})
+    assert transformers.Trainer in online.__mro__  # what would otherwise make it the Trainer kind
+    for cls in (online, mine):
+        with pytest.raises(ConfigError, match=f"TRL's {name} trains on completions it generates") as err:
+            with_smart_batching(cls)
+        for kind in kinds.kind_names():
+            assert kind in str(err.value)
+
+
 def test_register_places_a_kind_and_refuses_what_is_not_one():
     with pytest.raises(ConfigError, match="no such trainer kind"):
         kinds.register(TOY.TOY, before="NoSuchKind")

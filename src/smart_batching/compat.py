@@ -260,6 +260,34 @@ def is_hf_trainer(trainer: Any) -> bool:
     return issubclass(trainer, base) if isinstance(trainer, type) else isinstance(trainer, base)
 
 
+# TRL's trainers that generate their own completions during training: their training pass is not a
+# dataset of examples, so the Trainer kind's plan would not reach it.
+TRL_ONLINE_TRAINERS = (
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "OnlineDPOTrainer",
+    "PPOTrainer",
+    "XPOTrainer",
+    "NashMDTrainer",
+)
+
+
+def trl_online_trainer_name(trainer: Any) -> str | None:
+    """The name of the TRL online trainer (:data:`TRL_ONLINE_TRAINERS`: ``GRPOTrainer``, ...) that
+    ``trainer`` (an instance or a class) is or subclasses; None otherwise, or where TRL is not loaded."""
+    import sys
+
+    trl = sys.modules.get("trl")
+    if trl is None:
+        return None
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    for name in TRL_ONLINE_TRAINERS:
+        base = getattr(trl, name, None)
+        if isinstance(base, type) and issubclass(cls, base):
+            return name
+    return None
+
+
 def missing_trainer_hooks(trainer_class: type | None = None) -> list[str]:
     """What of :data:`TRAINER_HOOKS` the installed ``Trainer`` lacks: ``"name"`` or ``"name(param)"``."""
     if trainer_class is None:

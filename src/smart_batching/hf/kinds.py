@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from smart_batching import compat
 from smart_batching.errors import ConfigError
 from smart_batching.hf.adapter import TrainerKind
 from smart_batching.hf.dpo import DPO
@@ -75,8 +76,16 @@ def kind_of(trainer: Any) -> TrainerKind:
             return kind
     cls = trainer if isinstance(trainer, type) else type(trainer)
     kinds = "; ".join(f"{k.name} ({k.description})" for k in KINDS.values())
+    online = compat.trl_online_trainer_name(cls)
+    why = (
+        f" TRL's {online} trains on completions it generates during training, which no registered kind "
+        "plans yet: leave its batches to TRL."
+        if online
+        else ""
+    )
     raise ConfigError(
-        f"{cls.__module__}.{cls.__qualname__} is not a trainer kind smart batching supports. The kinds: {kinds}"
+        f"{cls.__module__}.{cls.__qualname__} is not a trainer kind smart batching supports.{why} "
+        f"The kinds: {kinds}"
     )
 
 
