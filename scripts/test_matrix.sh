@@ -65,6 +65,6 @@ printf '%-15s %-40s %4s %6s  %s\n' run setting rc wall "pytest's closing line"
 while IFS=$'\t' read -r name rc seconds line; do
   printf '%-15s %-40s %4s %5ss  %s\n' "$name" "$(setting "$name")" "$rc" "$seconds" "$line"
 done < "$RESULTS"
-echo "machine: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //'), $(nproc) cores;" \
+echo "machine: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //'), $(nproc --all) cores ($(nproc) usable here);" \
   "bf16 path detected: $(env -u SMART_BATCHING_CPU_HALF HF_HUB_OFFLINE=1 "$PY" -c 'import torch; from smart_batching import compat; print(compat.cpu_half_matmul(torch.bfloat16))' 2>/dev/null)"
 exit $failed
