@@ -7,7 +7,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean device-bundle
+.PHONY: demo test test-matrix test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean device-bundle
 
 venv:
 	@bash scripts/setup_venv.sh $(VENV) hf,plot
@@ -22,6 +22,11 @@ demo: venv
 ## Run the default test suite (under 10 minutes on 2 CPU cores).
 test: venv-dev
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+## The default suite under each machine setting of CONTRIBUTING's matrix (1 core, 1 thread, oneDNN off or
+## capped, each forced CPU bf16 path), one after another. MATRIX="omp-1 half-native" runs some.
+test-matrix: venv-dev
+	@PY=$(PY) PYTEST_ARGS="$(PYTEST_ARGS)" bash scripts/test_matrix.sh
 
 ## Slow tier: real pretrained models, large inputs.
 test-slow: venv-dev

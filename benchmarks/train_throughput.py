@@ -433,7 +433,7 @@ def environment() -> dict[str, Any]:
     import transformers
 
     from smart_batching.bench.machine import cpu_model
-    from smart_batching.compat import cpu_flags, cpu_half_matmul
+    from smart_batching.compat import cpu_flags, cpu_half_matmul, forced_cpu_half
 
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -441,6 +441,7 @@ def environment() -> dict[str, Any]:
         "cpu_flags": sorted(set(BF16_FLAGS) & cpu_flags()),
         "onednn": bool(torch.backends.mkldnn.enabled),
         "cpu_bf16": cpu_half_matmul(torch.bfloat16),
+        "cpu_bf16_forced": forced_cpu_half() is not None,  # SMART_BATCHING_CPU_HALF, not the CPU
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -596,7 +597,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(format_table(records))
         print(
             f"\n{env['machine']} ({env['cpu']}; flags {', '.join(env['cpu_flags']) or 'none'}; "
-            f"bf16 products: {env['cpu_bf16']}), torch threads {env['torch_threads']}, "
+            f"bf16 products: {env['cpu_bf16']}{' (forced)' if env['cpu_bf16_forced'] else ''}), torch threads {env['torch_threads']}, "
             f"load avg {env['load_avg_1m']}"
         )
     return records

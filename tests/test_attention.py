@@ -321,7 +321,9 @@ def test_sdpa_backend_name_and_bad_backend():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_bf16_forward_runs_close_to_per_example():
+def test_bf16_forward_runs_close_to_per_example(cpu_half_path):
+    """bf16 weights: packed attention multiplies in bf16 on the native path, in float32 on the others
+    (:func:`smart_batching.compat.matmul_dtype`), close to the per-example forward either way."""
     model = _build(_llama).to(torch.bfloat16)
     examples = _examples()
     reference = _per_example(model, examples).float()

@@ -194,25 +194,31 @@ def test_keyboard_interrupt_keeps_finished_records(tmp_path):
     assert (tmp_path / "out" / "report.html").is_file()  # rendered from what finished
 
 
-def test_precision_is_the_same_for_every_strategy_and_named_in_each_record(tmp_path):
+PRECISION_BENCH = dict(
+    model="tiny-llama", model_options=MICRO, strategies=("random", "packed"), max_steps=2, batch_size=4,
+    eval_examples=2, num_generations=0, progress=False, render=False,
+)  # fmt: skip
+
+
+def test_precision_is_the_same_for_every_strategy_and_named_in_each_record(tmp_path, cpu_half_path):
     """``precision="bf16"`` trains every strategy under bf16 autocast (float32 weights), and each record
-    says so with the CPU's bf16 support; the default on CPU is float32."""
-    import torch
-
-    from smart_batching import compat
-
+    says so with the CPU's bf16 support (forced here: each path), warned about off the native path."""
     train = write_gsm8k_like(tmp_path / "data")
-    common = dict(
-        model="tiny-llama", model_options=MICRO, strategies=("random", "packed"), max_steps=2, batch_size=4,
-        eval_examples=2, num_generations=0, progress=False, render=False,
-    )  # fmt: skip
-    bf16 = run_bench(train, precision="bf16", out_dir=tmp_path / "bf16", **common)
+    bf16 = run_bench(train, precision="bf16", out_dir=tmp_path / "bf16", **PRECISION_BENCH)
     assert [r["precision"]["autocast"] for r in bf16] == ["bfloat16", "bfloat16"]
     assert {r["settings"]["precision"] for r in bf16} == {"bf16"}
-    support = compat.cpu_half_matmul(torch.bfloat16)
-    assert all(r["precision"]["setting"] == "bf16" and r["precision"]["cpu_bf16"] == support for r in bf16)
+    assert all(r["precision"]["setting"] == "bf16" for r in bf16)
+    assert [(r["precision"]["cpu_bf16"], r["precision"]["cpu_bf16_forced"]) for r in bf16] == [
+        (cpu_half_path, True)
+    ] * 2
     assert [r["precision"]["dtype"] for r in bf16] == ["float32", "float32"]
-    default = run_bench(train, out_dir=tmp_path / "auto", **common)
+    slow = [] if cpu_half_path == "native" else ["precision.cpu_half"]
+    assert [sorted(r["fallbacks"]) for r in bf16] == [slow] * 2
+
+
+def test_precision_on_cpu_is_float32_by_default(tmp_path):
+    train = write_gsm8k_like(tmp_path / "data")
+    default = run_bench(train, out_dir=tmp_path / "auto", **PRECISION_BENCH)
     assert [(r["precision"]["setting"], r["precision"]["autocast"]) for r in default] == [("fp32", None)] * 2
 
 

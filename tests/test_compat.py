@@ -286,19 +286,49 @@ def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
         assert "sse2" in compat.cpu_flags()  # this machine's: every x86_64 CPU has SSE2
 
 
-def test_cpu_half_matmul_follows_onednn_and_the_cpu_flags(monkeypatch):
-    """torch routes a CPU bf16 product to oneDNN only where its own check passes (else ATen's reference
-    GEMM); oneDNN runs it natively only with bf16 instructions."""
+# (what torch routes to oneDNN, the CPU's flags, oneDNN's ISA cap) -> the path of a bf16 / fp16 product.
+HALF_PATHS = [
+    ((True, "fpu sse2 avx2 avx512f avx512_bf16", "ALL"), ("native", "emulated")),  # Zen 4, Cooper Lake
+    ((True, "avx2 avx512f avx512_bf16 amx_bf16 amx_fp16 avx512_fp16", "ALL"), ("native", "native")),  # SPR
+    ((True, "fpu sse2 avx2 avx512f avx512bw", "ALL"), ("emulated", "emulated")),  # Skylake / Ice Lake Xeon
+    ((True, "avx2 avx512f avx512_bf16", "AVX512_CORE"), ("emulated", "emulated")),  # oneDNN capped below
+    ((True, "avx2 avx512f avx512_bf16", "avx512_core_bf16"), ("native", "emulated")),
+    ((True, "avx2 avx512f avx512_bf16 amx_bf16", "AVX512_CORE_AMX"), ("native", "emulated")),
+    ((True, "fp asimd asimdhp bf16", "ALL"), ("native", "native")),  # aarch64 with FEAT_BF16
+    ((True, "fp asimd", "ALL"), ("emulated", "emulated")),
+    ((True, "", "ALL"), ("unknown", "unknown")),  # no /proc/cpuinfo (macOS)
+    ((False, "avx2 fma", "ALL"), ("reference", "reference")),  # AVX2 only, or mkldnn.enabled=False
+    ((False, "avx512f avx512_bf16", "ALL"), ("reference", "reference")),
+]
+
+
+@pytest.mark.parametrize(("inputs", "paths"), HALF_PATHS)
+def test_half_matmul_path_golden_table(inputs, paths):
+    onednn, flags, cap = inputs
+    got = tuple(
+        compat.half_matmul_path(name, onednn=onednn, flags=frozenset(flags.split()), isa_cap=cap)
+        for name in ("bfloat16", "float16")
+    )
+    assert got == paths
+
+
+def test_cpu_half_matmul_detects_this_machine(monkeypatch):
+    """About detection itself, so it reads this machine: torch routes a CPU bf16 product to oneDNN only
+    where its own check passes (else ATen's reference GEMM); oneDNN runs it natively only with bf16
+    instructions, under no ISA cap below them."""
+    monkeypatch.delenv(compat.CPU_HALF_ENV, raising=False)
     support = compat.cpu_half_matmul(torch.bfloat16)
     assert support in ("native", "emulated", "reference", "unknown")
     assert compat.cpu_half_matmul(torch.float32) == "native"
-    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    flags = compat.cpu_flags()
-    if not onednn:
-        assert support == "reference"
-    elif flags:
-        native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-        assert support == ("native" if native else "emulated")
+    onednn = bool(
+        torch.backends.mkldnn.enabled
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    assert support == compat.half_matmul_path(
+        "bfloat16", onednn=onednn, flags=compat.cpu_flags(), isa_cap=cap
+    )
     expected = torch.bfloat16 if support in ("native", "unknown") else torch.float32
     assert compat.matmul_dtype("cpu", torch.bfloat16) == expected
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # what an AVX2-only CPU gets
@@ -306,6 +336,37 @@ def test_cpu_half_matmul_follows_onednn_and_the_cpu_flags(monkeypatch):
     assert compat.matmul_dtype("cpu", torch.bfloat16) == torch.float32
     assert compat.matmul_dtype("cuda", torch.bfloat16) == torch.bfloat16  # never second-guessed on CUDA
     assert compat.matmul_dtype("cpu", torch.float32) == torch.float32
+
+
+def test_cpu_half_path_is_forced_by_the_environment_whatever_the_cpu(monkeypatch):
+    """``SMART_BATCHING_CPU_HALF`` decides for bf16 and fp16 over every detected input (oneDNN off
+    included); float32 stays native, CUDA is never second-guessed; the fixture forces the same way."""
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # detection alone would say "reference"
+    for path in ("native", "emulated", "reference"):
+        monkeypatch.setenv(compat.CPU_HALF_ENV, path)
+        assert compat.forced_cpu_half() == path
+        assert compat.cpu_half_matmul(torch.bfloat16) == compat.cpu_half_matmul(torch.float16) == path
+        assert compat.cpu_half_matmul(torch.float32) == "native"
+        half = torch.bfloat16 if path == "native" else torch.float32
+        assert compat.matmul_dtype("cpu", torch.bfloat16) == half
+        assert compat.matmul_dtype("cuda", torch.bfloat16) == torch.bfloat16
+    monkeypatch.setenv(compat.CPU_HALF_ENV, " Emulated ")  # case and spaces as a shell may leave them
+    assert compat.cpu_half_matmul(torch.bfloat16) == "emulated"
+    monkeypatch.setenv(compat.CPU_HALF_ENV, "")  # empty is unset: detected
+    assert compat.forced_cpu_half() is None and compat.cpu_half_matmul(torch.bfloat16) == "reference"
+
+
+@pytest.mark.parametrize("value", ["amx", "fast", "1", "unknown"])
+def test_cpu_half_switch_refuses_other_values_naming_the_variable_and_the_values(monkeypatch, value):
+    monkeypatch.setenv(compat.CPU_HALF_ENV, value)
+    with pytest.raises(ConfigError, match=r"SMART_BATCHING_CPU_HALF=.*native, emulated, reference"):
+        compat.cpu_half_matmul(torch.bfloat16)
+    assert compat.cpu_half_matmul(torch.float32) == "native"  # only half precision asks the switch
+
+
+def test_cpu_half_path_fixture_forces_each_path(cpu_half_path):
+    assert os.environ[compat.CPU_HALF_ENV] == cpu_half_path
+    assert compat.cpu_half_matmul(torch.bfloat16) == cpu_half_path
 
 
 def test_autocast_dtype_is_autocasts_where_it_is_on():

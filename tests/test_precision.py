@@ -26,17 +26,24 @@ def trainer(tmp_path, name: str, **args):
     )  # fmt: skip
 
 
-def test_bf16_on_a_cpu_without_bf16_kernels_is_said_once_with_the_setting_to_change(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # the reference GEMM, as on an AVX2 CPU
+@pytest.mark.parametrize("cpu_half_path", ["emulated", "reference"], indirect=True)
+def test_bf16_on_a_cpu_without_bf16_kernels_is_said_once_with_the_setting_to_change(
+    tmp_path, monkeypatch, cpu_half_path
+):
+    if cpu_half_path == "reference":
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # torch's reference GEMM too, as on AVX2
     with pytest.warns(FallbackWarning, match=r"set bf16=False in SFTConfig / TrainingArguments") as seen:
         first = trainer(tmp_path, "a", bf16=True)
         trainer(tmp_path, "b", bf16=True)
     assert sum(w.category is FallbackWarning for w in seen) == 1
-    assert "reference GEMM" in str(seen[0].message)
+    reason = {"reference": "reference GEMM", "emulated": "oneDNN emulates bfloat16"}[cpu_half_path]
+    assert reason in str(seen[0].message) and f"SMART_BATCHING_CPU_HALF={cpu_half_path}" in str(
+        seen[0].message
+    )
     assert recorded_fallbacks() == {"precision.cpu_half": 2}
     assert first.smart_batching.precision == {
         "dtype": "float32", "autocast": "bfloat16", "checkpointing": False, "device": "cpu",
-        "cpu_bf16": "reference",
+        "cpu_bf16": cpu_half_path, "cpu_bf16_forced": True,
     }  # fmt: skip
     # bf16 weights without autocast: the same warning names the model's dtype instead.
     from smart_batching.fallbacks import reset_fallbacks
@@ -50,24 +57,28 @@ def test_bf16_on_a_cpu_without_bf16_kernels_is_said_once_with_the_setting_to_cha
         )  # fmt: skip
 
 
-def test_float32_or_a_cpu_with_bf16_kernels_is_no_warning(tmp_path, recwarn):
+def test_float32_never_warns_and_bf16_warns_only_off_the_native_path(tmp_path, recwarn, cpu_half_path):
     plain = trainer(tmp_path, "fp32")
     assert plain.smart_batching.precision["autocast"] is None
-    from smart_batching import compat
-
-    native = compat.cpu_half_matmul(torch.bfloat16) in ("native", "unknown")
+    assert not [w for w in recwarn if w.category is FallbackWarning]
     mixed = trainer(tmp_path, "bf16", bf16=True)
     assert mixed.smart_batching.precision["autocast"] == "bfloat16"
-    warned = [w for w in recwarn if w.category is FallbackWarning]
-    assert (not warned) if native else len(warned) == 1
+    assert mixed.smart_batching.precision["cpu_bf16"] == cpu_half_path
+    warned = [str(w.message) for w in recwarn if w.category is FallbackWarning]
+    if cpu_half_path == "native":
+        assert not warned and recorded_fallbacks() == {}
+    else:
+        assert len(warned) == 1 and "set bf16=False" in warned[0]
+        assert recorded_fallbacks() == {"precision.cpu_half": 1}
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["cpu bf16 kernels", "reference GEMM"])
-def test_bf16_with_checkpointing_fused_head_equals_the_logits_path(tmp_path, monkeypatch, onednn):
+def test_bf16_with_checkpointing_fused_head_equals_the_logits_path(tmp_path, monkeypatch, cpu_half_path):
     """One SGD step under bf16 autocast and activation checkpointing: the fused LM head (its products in
-    bf16, or float32 on the reference GEMM) against the logits path at the target positions
-    (``target_logits_only`` with the head unfused), in the same precision."""
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    bf16 on the native path, else float32) against the logits path at the target positions
+    (``target_logits_only`` with the head unfused), in the same precision. On the reference path torch's
+    own bf16 products take the reference GEMM too (oneDNN off)."""
+    if cpu_half_path == "reference":
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     from smart_batching import compat
     from smart_batching.hf.loss import TokenLossMixin
 
@@ -88,9 +99,9 @@ def test_bf16_with_checkpointing_fused_head_equals_the_logits_path(tmp_path, mon
     _, ref_loss, ref_grads = run(False)
     assert fused.smart_batching.fused_head is True
     assert fused.smart_batching.precision["checkpointing"] is True
-    support = fused.smart_batching.precision["cpu_bf16"]
+    assert fused.smart_batching.precision["cpu_bf16"] == cpu_half_path
     assert fused.smart_batching.precision["lm_head_matmul"] == (
-        "bfloat16" if support == "native" else "float32"
+        "bfloat16" if cpu_half_path == "native" else "float32"
     )
     assert abs(loss - ref_loss) <= 4e-3 * abs(ref_loss)
     scale = max(float(g.abs().max()) for g in ref_grads.values())
@@ -113,13 +124,12 @@ class _Casts(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["cpu bf16 kernels", "reference GEMM"])
-def test_checkpointed_bf16_packed_step_casts_per_layer_not_per_segment(monkeypatch, onednn):
+def test_checkpointed_bf16_packed_step_casts_per_layer_not_per_segment(monkeypatch, cpu_half_path):
     """Under bf16 autocast with activation checkpointing, a packed forward and backward casts attention's
-    operands once per layer call: as many casts for a row of 16 examples as for a row of 4 (autocast
-    inside each segment's SDPA would cast every segment's slices, forward, recompute and backward); the
-    segment plan is built once per step, not again when checkpointing recomputes the layers."""
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    operands once per layer call, whether it multiplies in bf16 (native path) or float32: as many casts
+    for a row of 16 examples as for a row of 4 (autocast inside each segment's SDPA would cast every
+    segment's slices, forward, recompute and backward); the segment plan is built once per step, not
+    again when checkpointing recomputes the layers."""
     from smart_batching.attention import _segments, enable_packed_attention
     from smart_batching.collate import PackingCollator
 
@@ -155,7 +165,7 @@ def test_checkpointed_bf16_packed_step_casts_per_layer_not_per_segment(monkeypat
     assert len(calls) == 2 * 2 * len(model.model.layers)  # each step: forward, and the recompute
 
 
-def test_fused_head_runs_once_per_step_outside_the_checkpointed_layers(tmp_path):
+def test_fused_head_runs_once_per_step_outside_the_checkpointed_layers(tmp_path, cpu_half_path):
     """SmartBatchingTrainer under TRL's defaults (bf16 autocast, activation checkpointing): the LM head
     fused with the loss runs once per micro-batch (never recomputed), the decoder layers twice (forward
     and checkpointing's recompute), and the segment plan is built once per micro-batch."""
@@ -192,7 +202,7 @@ def test_fused_head_runs_once_per_step_outside_the_checkpointed_layers(tmp_path)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
-def test_packed_attention_output_dtype_and_layout_are_sdpas(autocast):
+def test_packed_attention_output_dtype_and_layout_are_sdpas(autocast, cpu_half_path):
     """Packed attention returns what transformers' ``sdpa_attention_forward`` returns for the same call
     (contiguous, autocast's dtype under autocast), for an unpacked batch and a packed row; under autocast
     its inputs come as a model's do: query and key float32 (out of RoPE), value bf16."""

@@ -39,8 +39,9 @@ DeepSpeed / FSDP in the Trainer           :func:`trainer_uses_deepspeed`, :func:
 torch's fused varlen attention            :func:`torch_varlen_attn`, :func:`torch_varlen_call`
 (``scale``/``window_size``/``enable_gqa``
 come in torch 2.11 and 2.12)
-half-precision matrix products on CPU     :func:`cpu_flags`, :func:`cpu_half_matmul`, :func:`matmul_dtype`
-(oneDNN, ``/proc/cpuinfo``)
+half-precision matrix products on CPU     :func:`cpu_flags`, :func:`cpu_half_matmul`, :func:`matmul_dtype`,
+(oneDNN, ``/proc/cpuinfo``); forced by    :func:`half_matmul_path`, :func:`forced_cpu_half`
+``SMART_BATCHING_CPU_HALF``
 a trainer's mixed precision, checkpointing :func:`trainer_autocast_dtype`, :func:`activation_checkpointing`,
                                           :func:`checkpointing_argument`,
                                           :func:`enable_activation_checkpointing`
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -522,6 +524,56 @@ def _onednn_supports(dtype_name: str) -> bool:
         return False
 
 
+# The switch that forces the CPU half-precision path the library decides on (see :func:`cpu_half_matmul`).
+CPU_HALF_ENV = "SMART_BATCHING_CPU_HALF"
+CPU_HALF_PATHS = ("native", "emulated", "reference")
+
+
+def forced_cpu_half() -> str | None:
+    """The CPU half-precision path forced by ``SMART_BATCHING_CPU_HALF`` (``"native"``, ``"emulated"`` or
+    ``"reference"``, any case); None where it is unset or empty (the CPU's own is detected).
+
+    Raises:
+        ConfigError: any other value, naming the variable and the values it takes.
+    """
+    raw = os.environ.get(CPU_HALF_ENV, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value not in CPU_HALF_PATHS:
+        raise ConfigError(
+            f"{CPU_HALF_ENV}={raw!r} names no CPU half-precision path: set it to one of "
+            f"{', '.join(CPU_HALF_PATHS)}, or unset it to detect this CPU's"
+        )
+    return value
+
+
+def half_matmul_path(dtype_name: str, *, onednn: bool, flags: frozenset[str], isa_cap: str = "ALL") -> str:
+    """The path of a CPU matrix product in ``dtype_name`` (``"bfloat16"`` / ``"float16"``) from what
+    decides it: whether torch routes it to oneDNN (``onednn``), the CPU ``flags`` (empty: unknown) and
+    oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, ``"ALL"`` where unset). See :func:`cpu_half_matmul`.
+
+    >>> half_matmul_path("bfloat16", onednn=True, flags=frozenset({"avx512f", "avx512_bf16"}))
+    'native'
+    >>> half_matmul_path("bfloat16", onednn=True, flags=frozenset({"avx512f"}))
+    'emulated'
+    >>> half_matmul_path("bfloat16", onednn=True, flags=frozenset({"avx512_bf16"}), isa_cap="AVX512_CORE")
+    'emulated'
+    >>> half_matmul_path("bfloat16", onednn=False, flags=frozenset({"avx2"}))
+    'reference'
+    """
+    if not onednn:
+        return "reference"
+    if not flags:
+        return "unknown"
+    if not flags & _NATIVE_HALF_FLAGS[dtype_name]:
+        return "emulated"
+    cap = isa_cap.upper()
+    if cap != "ALL" and not any(word in cap for word in _HALF_ISA_WORDS):
+        return "emulated"
+    return "native"
+
+
 def cpu_half_matmul(dtype: Any) -> str:
     """How this CPU runs matrix products in ``dtype`` (``torch.bfloat16`` / ``torch.float16``) in torch.
 
@@ -536,26 +588,26 @@ def cpu_half_matmul(dtype: Any) -> str:
 
     float32 (and any other dtype) is ``"native"``. Reads torch's own routing test
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, the check ``at::native::cpublas::gemm`` makes), the
-    ``torch.backends.mkldnn.enabled`` switch, oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``) and the CPU flags.
-    """
-    import os
+    ``torch.backends.mkldnn.enabled`` switch, oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``) and the CPU flags
+    (:func:`half_matmul_path`).
 
+    ``SMART_BATCHING_CPU_HALF=native|emulated|reference`` forces the answer for bf16 and fp16 whatever
+    the CPU (:func:`forced_cpu_half`): it changes what the library decides from it (the
+    ``precision.cpu_half`` warning, the dtype of its own matrix products, :func:`matmul_dtype`, and
+    the ``cpu_bf16`` it records), never which kernels torch runs. The tests force each path with it.
+    """
     import torch
 
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if name is None:
         return "native"
-    if not (torch.backends.mkldnn.enabled and _onednn_supports(name)):
-        return "reference"
-    flags = cpu_flags()
-    if not flags:
-        return "unknown"
-    if not flags & _NATIVE_HALF_FLAGS[name]:
-        return "emulated"
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    if cap != "ALL" and not any(word in cap for word in _HALF_ISA_WORDS):
-        return "emulated"
-    return "native"
+    forced = forced_cpu_half()
+    if forced is not None:
+        return forced
+    onednn = bool(torch.backends.mkldnn.enabled) and _onednn_supports(name)
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    # The flags are read only where oneDNN takes the product (the reference path needs none).
+    return half_matmul_path(name, onednn=onednn, flags=cpu_flags() if onednn else frozenset(), isa_cap=cap)
 
 
 def matmul_dtype(device_type: str, dtype: Any) -> Any:

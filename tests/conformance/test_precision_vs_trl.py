@@ -6,15 +6,16 @@ with our token loss (:mod:`smart_batching.hf.lm_head`). On the same packed batch
 
 * in float32 (``bf16=False``),
 * under bf16 autocast with float32 weights (TRL's default ``bf16=True``, as accelerate wraps the
-  forward), on this CPU's bf16 kernels and with torch's oneDNN kernels off (the path a CPU without
-  AVX-512 takes: ATen's reference GEMM, where our products run in float32),
+  forward),
 * with bf16 weights and no autocast (a model loaded with ``dtype=torch.bfloat16``),
 * under bf16 autocast with activation checkpointing (TRL's ``SFTConfig`` defaults),
 
-and the loss, the gradients and TRL's logged metrics are compared within the dtype's rounding: bf16
-keeps 8 significant bits (relative rounding 2**-9), and the two implementations round at different
-places (TRL's forward tile is bf16 and its backward float32 on CPU; ours follow
-:func:`smart_batching.compat.matmul_dtype`).
+each on the three CPU half-precision paths (``cpu_half_path``: our products in bf16 on ``native``, in
+float32 on ``emulated`` and ``reference``; on ``reference`` torch's oneDNN kernels are off too, so the
+model's own bf16 products take ATen's reference GEMM, as on a CPU without AVX-512), and the loss, the
+gradients and TRL's logged metrics are compared within the dtype's rounding: bf16 keeps 8 significant
+bits (relative rounding 2**-9), and the two implementations round at different places (TRL's forward
+tile is bf16 and its backward float32 on CPU; ours follow :func:`smart_batching.compat.matmul_dtype`).
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ TOKENIZER = EX.word_tokenizer()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# setting -> (autocast, weights dtype, oneDNN on, loss rtol, gradient tolerance as a fraction of the
-# largest gradient entry). Measured on an AMD EPYC (AVX512-BF16): loss 1e-7 / 1e-7 / 1.3e-4 / 0 relative,
-# gradients 4e-7 / 0.7% / 1.1% / 0 of the largest entry; bf16's own relative rounding is 2**-9.
+# setting -> (autocast, weights dtype, loss rtol, gradient tolerance as a fraction of the largest gradient
+# entry). Measured on an AMD EPYC (AVX512-BF16): loss 1e-7 / 1e-7 / 1.3e-4 / 0 relative, gradients
+# 4e-7 / 0.7% / 1.1% / 0 of the largest entry (fp32 / bf16 autocast / autocast on the reference GEMM /
+# bf16 weights); bf16's own relative rounding is 2**-9.
 PRECISIONS = {
-    "fp32": (False, torch.float32, True, 1e-5, 1e-4),
-    "bf16 autocast": (True, torch.float32, True, 4e-3, 0.03),
-    "bf16 autocast, reference GEMM": (True, torch.float32, False, 4e-3, 0.03),
-    "bf16 weights": (False, torch.bfloat16, True, 4e-3, 0.03),
+    "fp32": (False, torch.float32, 1e-5, 1e-4),
+    "bf16 autocast": (True, torch.float32, 4e-3, 0.03),
+    "bf16 weights": (False, torch.bfloat16, 4e-3, 0.03),
 }
 # TRL's SFTConfig defaults: bf16 autocast and activation checkpointing (the layers recomputed in the
 # backward pass, the LM head and loss not).
-CHECKPOINTED = {"bf16 autocast, checkpointing (TRL's defaults)": (True, torch.float32, True, 4e-3, 0.03)}
+CHECKPOINTED = {"bf16 autocast, checkpointing (TRL's defaults)": (True, torch.float32, 4e-3, 0.03)}
 
 
 def sft(tmp_path, bf16: bool):
@@ -73,13 +74,16 @@ def sft(tmp_path, bf16: bool):
 
 
 @pytest.mark.parametrize("setting", [*PRECISIONS, *CHECKPOINTED])
-def test_our_loss_gradients_and_metrics_equal_trl_under_each_precision(tmp_path, monkeypatch, setting):
+def test_our_loss_gradients_and_metrics_equal_trl_under_each_precision(
+    tmp_path, monkeypatch, setting, cpu_half_path
+):
     from trl import SFTTrainer
 
     from smart_batching import compat
 
-    autocast, dtype, onednn, rtol, grad_tol = {**PRECISIONS, **CHECKPOINTED}[setting]
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    autocast, dtype, rtol, grad_tol = {**PRECISIONS, **CHECKPOINTED}[setting]
+    if cpu_half_path == "reference":
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     trainer = sft(tmp_path, bf16=autocast)
     assert trainer._target_logits_apply(trainer.model) and trainer.smart_batching.trl_metrics
     model = trainer.model
@@ -106,7 +110,8 @@ def test_our_loss_gradients_and_metrics_equal_trl_under_each_precision(tmp_path,
     ours = run(type(trainer).compute_loss)
     assert trainer.smart_batching.fused_head is True  # the fused head, not the logits path, was compared
     half = autocast or dtype == torch.bfloat16
-    fast = trainer.smart_batching.precision["cpu_bf16"] == "native"  # else float32 products are faster
+    assert trainer.smart_batching.precision["cpu_bf16"] == cpu_half_path
+    fast = cpu_half_path == "native"  # else float32 products are faster
     assert trainer.smart_batching.precision["lm_head_matmul"] == ("bfloat16" if half and fast else "float32")
     theirs = run(SFTTrainer.compute_loss)
     torch.testing.assert_close(ours[0], theirs[0], rtol=rtol, atol=0.0)

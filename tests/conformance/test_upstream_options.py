@@ -185,15 +185,23 @@ def test_empty_and_fully_masked_examples_are_skipped_before_step_1(tmp_path):
         trainer.get_train_dataloader()
 
 
-def test_no_fallback_warning_under_trl_fused_lm_head(tmp_path, prompt_completion, recwarn):
-    """Under SFTTrainer (plain NLL) target-only logits stand in for TRL's loss: no FallbackWarning, and
-    TRL's metrics are still logged (one training step runs)."""
+def test_no_fallback_warning_under_trl_fused_lm_head(tmp_path, prompt_completion, recwarn, cpu_half_path):
+    """Under SFTTrainer (plain NLL) target-only logits stand in for TRL's loss: no fallback warning of
+    their own, and TRL's metrics are still logged (one training step runs). ``SFTConfig``'s defaults
+    train in bf16: on a CPU without bf16 instructions (the emulated and reference paths) that, and only
+    that, is warned about (``precision.cpu_half``, README "No silent fallback")."""
     from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks
 
     trainer = sft(tmp_path, prompt_completion, "packed")
+    assert trainer.args.bf16  # SFTConfig's default
     trainer.train()
     assert trainer.smart_batching.target_logits is True and trainer.smart_batching.trl_metrics is True
-    assert not [w for w in recwarn if w.category is FallbackWarning] and recorded_fallbacks() == {}
+    warned = [str(w.message) for w in recwarn if w.category is FallbackWarning]
+    if cpu_half_path == "native":
+        assert not warned and recorded_fallbacks() == {}
+    else:
+        assert len(warned) == 1 and "(precision.cpu_half)" in warned[0] and "set bf16=False" in warned[0]
+        assert recorded_fallbacks() == {"precision.cpu_half": 1}
     logged = trainer.state.log_history[0]
     assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(logged)
 

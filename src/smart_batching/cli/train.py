@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from smart_batching.bench.machine import usable_cores
 from smart_batching.cli.analyze import add_adaptive_options, positive_float, positive_int
 from smart_batching.errors import ConfigError
 
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     cpu = not torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if cpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cores() // world_size))  # the cores taskset/cgroups leave it
     tokenizer = load_tokenizer(args.tokenizer)
     training_model = load_training_model(args.model, tokenizer=tokenizer)
     data = prepare_training_data(

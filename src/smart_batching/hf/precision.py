@@ -41,7 +41,8 @@ def describe_precision(trainer: Any) -> dict[str, Any]:
     Returns:
         ``dtype`` (the model's parameters), ``autocast`` (the mixed-precision dtype, or None),
         ``checkpointing`` (activation checkpointing), ``device`` and, on CPU, ``cpu_bf16``: how this
-        CPU runs bf16 matrix products (:func:`smart_batching.compat.cpu_half_matmul`).
+        CPU runs bf16 matrix products (:func:`smart_batching.compat.cpu_half_matmul`), with
+        ``cpu_bf16_forced: True`` where ``SMART_BATCHING_CPU_HALF`` forced it rather than the CPU.
     """
     model = trainer.model
     dtype = getattr(model, "dtype", None)
@@ -56,6 +57,8 @@ def describe_precision(trainer: Any) -> dict[str, Any]:
     }
     if device == "cpu":
         info["cpu_bf16"] = compat.cpu_half_matmul(torch.bfloat16)
+        if compat.forced_cpu_half() is not None:
+            info["cpu_bf16_forced"] = True
     return info
 
 
@@ -73,6 +76,7 @@ def warn_slow_cpu_precision(trainer: Any, info: dict[str, Any]) -> str | None:
     if support not in _SLOW:
         return None
     flag = "bf16" if dtype is torch.bfloat16 else "fp16"
+    forced = f" ({compat.CPU_HALF_ENV}={support})" if compat.forced_cpu_half() is not None else ""
     how = (
         f"{flag}=True (mixed precision)"
         if info.get("autocast")
@@ -85,7 +89,7 @@ def warn_slow_cpu_precision(trainer: Any, info: dict[str, Any]) -> str | None:
     )
     warn_fallback(
         "precision.cpu_half",
-        f"training in {half} with {how} on this CPU is several times slower whatever the batching: "
+        f"training in {half} with {how} on this CPU{forced} is several times slower whatever the batching: "
         f"{_SLOW[support].format(name=half)}. To train faster here, {fix}. Smart batching runs its own "
         "matrix products (the fused LM head, packed attention) in float32 on this CPU.",
         stacklevel=4,

@@ -22,7 +22,8 @@ class SmartBatchingState:
             None until the first training step decides.
         precision: what the run computes in: ``dtype`` (the model's), ``autocast`` (the mixed
             precision dtype or None), ``checkpointing``, ``cpu_bf16`` (on CPU:
-            :func:`smart_batching.compat.cpu_half_matmul`), and once a step ran ``lm_head_matmul``
+            :func:`smart_batching.compat.cpu_half_matmul`; ``cpu_bf16_forced`` where
+            ``SMART_BATCHING_CPU_HALF`` set it), and once a step ran ``lm_head_matmul``
             (the dtype of the fused LM head's matrix products).
         empty_examples: ``"skip"`` or ``"error"`` for examples with no tokens or no target token.
         trl_metrics: target-only logits stand in for TRL ``SFTTrainer``'s loss, and its metrics are logged.
