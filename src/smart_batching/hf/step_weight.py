@@ -51,6 +51,7 @@ from transformers import TrainerCallback
 from smart_batching import compat
 from smart_batching.errors import ConfigError
 from smart_batching.hf.data import _is_iterable, checked_lengths
+from smart_batching.loss import IGNORE_INDEX
 
 LOSS_NORMALIZATIONS = ("step", "epoch")
 """``loss_normalization`` values: ``"step"`` (HF's ``num_items_in_batch``, the default) and ``"epoch"``."""
@@ -86,7 +87,7 @@ def target_token_counts(dataset: Any, lengths: np.ndarray) -> np.ndarray:
         if not _is_list_type(_arrow_type(dataset, "labels")):
             return np.ones(len(lengths), dtype=np.int64)
         values, offsets = list_column(dataset, "labels")
-        target = values != -100  # (total,)
+        target = values != IGNORE_INDEX  # (total,)
     else:
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         target = np.ones(int(offsets[-1]), dtype=bool)
