@@ -6,6 +6,9 @@ VLLM_VENV ?= .venv-vllm
 ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# make test: one pytest worker per usable core (pytest-xdist; `auto` follows taskset), at most 4.
+PYTEST_WORKERS ?= auto
+PYTEST_MAX_WORKERS ?= 4
 
 .PHONY: demo test test-matrix test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean device-bundle
 
@@ -19,9 +22,10 @@ venv-dev:
 demo: venv
 	HF_HUB_OFFLINE=1 $(PY) -m smart_batching demo
 
-## Run the default test suite (under 10 minutes on 2 CPU cores).
+## Run the default test suite (under 10 minutes on 2 CPU cores, set-up included), on every usable core.
+## PYTEST_WORKERS=0 runs it in one process.
 test: venv-dev
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=$(PYTEST_MAX_WORKERS) $(PYTEST_ARGS)
 
 ## The default suite under each machine setting of CONTRIBUTING's matrix (1 core, 1 thread, oneDNN off or
 ## capped, each forced CPU bf16 path), one after another. MATRIX="omp-1 half-native" runs some.
