@@ -29,6 +29,8 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
+from trl_logps import fused_log_probs  # noqa: E402
+
 from smart_batching.errors import ConfigError  # noqa: E402
 from smart_batching.hf import apply_smart_batching  # noqa: E402
 from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator  # noqa: E402
@@ -132,18 +134,6 @@ def _step(trainer, batch):
     return loss.detach(), [p.grad.clone() for p in model.parameters()], metrics
 
 
-def _log_probs(trainer, model, batch):
-    """What TRL's fused LM head returns for ``batch`` (TRL's call, as _compute_loss makes it)."""
-    kwargs = {
-        k: v
-        for k, v in batch.items()
-        if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
-    }
-    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    with torch.no_grad():
-        return model(**kwargs, labels=labels, fused_lm_head=True, use_cache=False).log_probs
-
-
 def assert_same_training(strategy, **config):
     """Our first micro-batch against TRL alone on the same pairs; returns both batches."""
     ours = _smart(strategy, **config)
@@ -156,7 +146,7 @@ def assert_same_training(strategy, **config):
     for get in (lambda t: t.model, lambda t: t.ref_model):
         if get(alone) is None:
             continue
-        theirs_lp, ours_lp = _log_probs(alone, get(alone), theirs_batch), _log_probs(ours, get(ours), batch)
+        theirs_lp, ours_lp = fused_log_probs(get(alone), theirs_batch), fused_log_probs(get(ours), batch)
         assert ours_lp.shape == theirs_lp.shape
         assert bool((theirs_lp != 0).any())
         torch.testing.assert_close(ours_lp, theirs_lp, rtol=1e-5, atol=2e-5)
@@ -471,8 +461,8 @@ def test_smollm2_packed_pairs_equal_trl_alone(prompt_sharing):
     theirs_batch = alone.data_collator([alone.train_dataset[i] for i in indices])
     for get in (lambda t: t.model, lambda t: t.ref_model):
         torch.testing.assert_close(
-            _log_probs(ours, get(ours), batch),
-            _log_probs(alone, get(alone), theirs_batch),
+            fused_log_probs(get(ours), batch),
+            fused_log_probs(get(alone), theirs_batch),
             rtol=1e-4,
             atol=2e-4,
         )

@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cuda_tier import to_device  # noqa: E402
+from trl_logps import fused_log_probs  # noqa: E402
 
 from smart_batching.fallbacks import recorded_fallbacks  # noqa: E402
 
@@ -49,18 +50,6 @@ def _trainer(ex, data, device):
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=generator).to(p.device))
     return trainer
-
-
-def _log_probs(model, batch):
-    """What TRL's fused LM head returns for ``batch`` (TRL's call, as its _compute_loss makes it)."""
-    kwargs = {
-        k: v
-        for k, v in batch.items()
-        if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
-    }
-    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    with torch.no_grad():
-        return model(**kwargs, labels=labels, fused_lm_head=True, use_cache=False).log_probs.float()
 
 
 def _step(trainer, batch):
@@ -106,8 +95,8 @@ def test_packed_shared_prompt_pairs_equal_trl_padded(device, dtype):
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for name in ("model", "ref_model"):
         with autocast:
-            theirs_lp = _log_probs(getattr(alone, name), theirs_batch)
-            ours_lp = _log_probs(getattr(ours, name), batch)
+            theirs_lp = fused_log_probs(getattr(alone, name), theirs_batch).float()
+            ours_lp = fused_log_probs(getattr(ours, name), batch).float()
         assert ours_lp.shape == theirs_lp.shape, (
             f"{what}: {name} log-probs {ours_lp.shape} vs {theirs_lp.shape}"
         )
