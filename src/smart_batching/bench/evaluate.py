@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from smart_batching.bench.frozen_prefix import FrozenPrefixCache
 from smart_batching.collate import PaddingCollator
 
 
@@ -46,7 +47,13 @@ def _batches(dataset: Any, batch_size: int) -> Sequence[tuple[list[int], list[di
 
 @torch.no_grad()
 def eval_causal_lm(
-    model: Any, dataset: Any, *, pad_token_id: int, batch_size: int = 8, device: Any = "cpu"
+    model: Any,
+    dataset: Any,
+    *,
+    pad_token_id: int,
+    batch_size: int = 8,
+    device: Any = "cpu",
+    prefix_cache: FrozenPrefixCache | None = None,
 ) -> dict:
     """Mean cross-entropy per target token on ``dataset`` (``input_ids`` + ``prompt_length``).
 
@@ -54,6 +61,10 @@ def eval_causal_lm(
     training) where the model's ``forward`` takes it: the same loss, without a ``(rows, tokens, vocab)``
     logits tensor for prompts and padding (a 49,152-token vocabulary makes that the largest cost of a
     small model's eval, and most of its memory).
+
+    With ``prefix_cache``, a model whose first layers are frozen runs them once per held-out batch and
+    only its trained layers at later evaluations (:class:`~.frozen_prefix.FrozenPrefixCache`): the same
+    logits.
 
     Returns:
         ``{"loss", "perplexity", "num_tokens", "num_examples"}``; loss in nats per target token.
@@ -65,7 +76,7 @@ def eval_causal_lm(
     keep_targets = compat.forward_accepts(model, "logits_to_keep")
     total = 0.0
     count = 0
-    for _, rows in _batches(dataset, batch_size):
+    for index, (_, rows) in enumerate(_batches(dataset, batch_size)):
         batch = collate(rows)
         labels = batch.pop("labels").to(device)
         inputs = {k: v.to(device) for k, v in batch.items()}
@@ -73,7 +84,10 @@ def eval_causal_lm(
         target = labels[:, 1:]
         if keep_targets:
             keep = target_positions(labels)  # (kept,) positions t with a target at t + 1
-            logits = model(**inputs, logits_to_keep=keep).logits
+            if prefix_cache is not None:
+                logits = prefix_cache.logits(model, index, inputs, keep)
+            else:
+                logits = model(**inputs, logits_to_keep=keep).logits
             target = target[:, keep]
         else:
             logits = model(**inputs).logits[:, :-1]
