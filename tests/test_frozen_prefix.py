@@ -115,3 +115,27 @@ def test_an_unknown_structure_with_frozen_layers_takes_the_full_forward_with_a_w
     assert loss == _loss(model, data)
     assert recorded_fallbacks().get("eval.frozen_prefix", 0) >= 1
     assert cache.num_filled == cache.num_reused == 0
+
+
+def test_packed_held_out_rows_give_the_padded_loss_and_put_the_attention_back():
+    model, data = _llama().eval(), _held_out()
+    model.config.use_cache = True
+    impl = model.config._attn_implementation
+    padded = _loss(model, data)
+    packed = eval_causal_lm(model, data, pad_token_id=0, batch_size=3, packed=True)
+    assert packed["loss"] == pytest.approx(padded, rel=1e-5)
+    assert packed["num_tokens"] == eval_causal_lm(model, data, pad_token_id=0, batch_size=3)["num_tokens"]
+    assert (model.config._attn_implementation, model.config.use_cache) == (impl, True)
+    # Packed rows (several examples each) with the cached prefix, after training the last layers.
+    cache = FrozenPrefixCache()
+    eval_causal_lm(model, data, pad_token_id=0, batch_size=3, packed=True, prefix_cache=cache)
+    _train(model)
+    full = eval_causal_lm(model, data, pad_token_id=0, batch_size=3, packed=True)["loss"]
+    cached = eval_causal_lm(model, data, pad_token_id=0, batch_size=3, packed=True, prefix_cache=cache)[
+        "loss"
+    ]
+    assert cache.num_reused == 3 and cached == pytest.approx(full, rel=1e-6)
+    assert full == pytest.approx(_loss(model, data), rel=1e-5) and full != padded
+    # The same batch numbers padded are other inputs: recomputed, not replayed from the packed rows.
+    assert _loss(model, data, cache) == pytest.approx(_loss(model, data), rel=1e-6)
+    assert cache.num_filled == 6

@@ -138,6 +138,7 @@ def evaluate_model(
             batch_size=s["eval_batch_size"],
             device=bench.device,
             prefix_cache=bench.eval_prefix,
+            packed=True,
         )
         outputs = generate_texts(
             model,
@@ -190,6 +191,7 @@ def held_out_eval(bench: BenchContext, model: Any) -> dict[str, Any]:
             batch_size=bench.settings["eval_batch_size"],
             device=bench.device,
             prefix_cache=bench.eval_prefix,
+            packed=True,
         )
         return {"loss": ev["loss"]}
     finally:
