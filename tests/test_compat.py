@@ -643,3 +643,40 @@ def test_trl_online_trainer_name_reads_trl_s_online_trainers():
     for name in present:
         sub = type("Mine", (getattr(trl, name),), {})
         assert compat.trl_online_trainer_name(sub) == name
+
+
+def test_the_layers_after_a_frozen_prefix_replay_to_the_full_forwards_logits():
+    import copy
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert compat.decoder_tail_unsupported(model) is None
+    assert compat.frozen_prefix_length(model) == 0  # everything trains: no prefix
+    compat.train_last_layers(model, 1)
+    assert compat.frozen_prefix_length(model) == 2
+    ids = torch.tensor([[5, 6, 7, 8, 9], [3, 4, 2, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    keep = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        with compat.capture_layer_inputs(model, 2) as captured:
+            full = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
+        assert captured["hidden_states"].shape == (2, 5, 32) and len(captured["layer_kwargs"]) == 1
+        assert "position_embeddings" in captured["layer_kwargs"][0]  # rotary, built once by LlamaModel
+        tail = compat.run_decoder_tail(model, 2, captured["hidden_states"], captured["layer_kwargs"], keep)
+        assert torch.equal(tail, full)
+        last = compat.run_decoder_tail(model, 2, captured["hidden_states"], captured["layer_kwargs"], 1)
+        assert torch.equal(last, model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits)
+        # The replay runs the current weights of the trained layer: change it and the logits follow.
+        changed = copy.deepcopy(model)
+        changed.model.layers[2].mlp.down_proj.weight.mul_(2.0)
+        moved = compat.run_decoder_tail(changed, 2, captured["hidden_states"], captured["layer_kwargs"], keep)
+        assert torch.equal(moved, changed(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits)
+        assert not torch.allclose(moved, full)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+    )
+    assert "GPT2LMHeadModel" in compat.decoder_tail_unsupported(gpt2)

@@ -21,6 +21,8 @@ switching attention on a loaded model     :func:`set_attn_implementation`, :func
 causal-LM classes                         :func:`causal_lm_class_names`
 learning-rate schedule names              :func:`lr_scheduler_types`
 a decoder's layer stack                   :func:`keep_first_layers`, :func:`train_last_layers`
+running the layers after a frozen prefix  :func:`decoder_tail_unsupported`, :func:`frozen_prefix_length`,
+                                          :func:`capture_layer_inputs`, :func:`run_decoder_tail`
 Trainer hooks we override                 :data:`TRAINER_HOOKS`, :func:`missing_trainer_hooks`,
                                           :data:`TRAINER_ATTRIBUTES`
 the event after gradient clipping         :data:`CLIPPED_GRADIENTS_EVENT`
@@ -55,10 +57,11 @@ vLLM's offline engine                     :func:`vllm_available`, :func:`is_vllm
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from smart_batching.errors import ConfigError
@@ -194,6 +197,94 @@ def train_last_layers(model: Any, k: int) -> int:
         for p in module.parameters():
             p.requires_grad_(True)
     return int(sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+PLAIN_HEAD_CAUSAL_LMS = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+"""Causal LMs whose ``forward`` is: embeddings, ``model.model.layers[:num_hidden_layers]`` in order (each
+called as ``layer(hidden_states, **kwargs)`` with the same kwargs whatever the weights: masks, rotary
+``position_embeddings``, ``position_ids``), ``model.model.norm``, then ``model.lm_head`` at
+``logits_to_keep`` with no scaling or soft-capping of the logits (transformers 5.24's
+``LlamaModel.forward`` and ``LlamaForCausalLM.forward``)."""
+
+
+def decoder_tail_unsupported(model: Any) -> str | None:
+    """Why the decoder layers after a frozen prefix of ``model`` cannot be run on their own
+    (:func:`run_decoder_tail`), or None when they can."""
+    name = type(model).__name__
+    if name not in PLAIN_HEAD_CAUSAL_LMS:
+        return f"{name} is not one of the causal LMs whose layers run alone ({', '.join(sorted(PLAIN_HEAD_CAUSAL_LMS))})"
+    inner = getattr(model, "model", None)
+    missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(inner, a)]
+    if missing or not hasattr(model, "lm_head"):
+        return f"{name} has no {', '.join(missing) or 'lm_head'} where Llama keeps it"
+    return None
+
+
+def frozen_prefix_length(model: Any) -> int:
+    """How many leading decoder layers of ``model`` are frozen with its input embeddings (no parameter
+    needs a gradient): 0 when the embeddings train. The hidden states entering the next layer then
+    depend on the input tokens only (in eval mode: no dropout)."""
+    inner = model.model
+    if any(p.requires_grad for p in inner.embed_tokens.parameters()):
+        return 0
+    count = 0
+    for layer in inner.layers[: model.config.num_hidden_layers]:
+        if any(p.requires_grad for p in layer.parameters()):
+            break
+        count += 1
+    return count
+
+
+@contextlib.contextmanager
+def capture_layer_inputs(model: Any, start: int) -> Iterator[dict[str, Any]]:
+    """Record what decoder layers ``start`` onwards receive during one ``forward`` of ``model``.
+
+    Yields a dict filled when the forward runs: ``"hidden_states"`` (the tensor entering layer
+    ``start``) and ``"layer_kwargs"`` (per layer from ``start`` on, the keyword arguments it was called
+    with: the attention mask of its type, ``position_embeddings``, ``position_ids``...; the KV cache
+    left out). :func:`run_decoder_tail` replays them.
+    """
+    layers = model.model.layers[start : model.config.num_hidden_layers]
+    captured: dict[str, Any] = {"hidden_states": None, "layer_kwargs": [None] * len(layers)}
+
+    def hook(i: int) -> Any:
+        def record(module: Any, args: tuple, kwargs: dict) -> None:
+            kw = dict(kwargs)
+            hidden = args[0] if args else kw.pop("hidden_states")
+            for key in ("cache", "past_key_values", "past_key_value"):
+                kw.pop(key, None)
+            kw["use_cache"] = False
+            captured["layer_kwargs"][i] = kw
+            if i == 0:
+                captured["hidden_states"] = hidden.detach().clone()
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def run_decoder_tail(
+    model: Any, start: int, hidden_states: Any, layer_kwargs: list[dict[str, Any]], logits_to_keep: Any = 0
+) -> Any:
+    """Logits of ``model`` from the hidden states entering decoder layer ``start``: layers ``start``
+    onwards (each with its captured kwargs, :func:`capture_layer_inputs`), the final norm, and the LM
+    head at ``logits_to_keep`` (an int keeps the last that many positions, 0 all; a tensor, those
+    positions), as ``LlamaForCausalLM.forward`` computes them."""
+    inner = model.model
+    hidden = hidden_states
+    for layer, kwargs in zip(inner.layers[start : model.config.num_hidden_layers], layer_kwargs, strict=True):
+        out = layer(hidden, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out  # a tuple before transformers 5
+    hidden = inner.norm(hidden)
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return model.lm_head(hidden[:, keep, :])
 
 
 @functools.cache

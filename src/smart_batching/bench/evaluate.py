@@ -1,4 +1,5 @@
-"""Held-out evaluation, identical for every strategy: plain padded batches in a fixed order (by length).
+"""Held-out evaluation, identical for every strategy: fixed batches in a fixed order (by length), each
+padded, or packed into one row with exact packed attention (``packed=True``: no padding, the same loss).
 
 * :func:`eval_causal_lm`: token-weighted cross-entropy over the target tokens (prompt masked, the
   same labels training used) and its perplexity.
@@ -18,7 +19,12 @@ from typing import Any
 
 import torch
 
-from smart_batching.collate import PaddingCollator
+from smart_batching import compat
+from smart_batching.attention import enable_packed_attention
+from smart_batching.bench.frozen_prefix import FrozenPrefixCache
+from smart_batching.collate import PackingCollator, PaddingCollator
+from smart_batching.fallbacks import warn_fallback
+from smart_batching.loss import target_positions
 
 
 def inference_mode(model: Any, attn_implementation: str | None) -> Any:
@@ -46,7 +52,14 @@ def _batches(dataset: Any, batch_size: int) -> Sequence[tuple[list[int], list[di
 
 @torch.no_grad()
 def eval_causal_lm(
-    model: Any, dataset: Any, *, pad_token_id: int, batch_size: int = 8, device: Any = "cpu"
+    model: Any,
+    dataset: Any,
+    *,
+    pad_token_id: int,
+    batch_size: int = 8,
+    device: Any = "cpu",
+    prefix_cache: FrozenPrefixCache | None = None,
+    packed: bool = False,
 ) -> dict:
     """Mean cross-entropy per target token on ``dataset`` (``input_ids`` + ``prompt_length``).
 
@@ -55,25 +68,62 @@ def eval_causal_lm(
     logits tensor for prompts and padding (a 49,152-token vocabulary makes that the largest cost of a
     small model's eval, and most of its memory).
 
+    ``packed=True`` packs each batch's examples into one row (:class:`~smart_batching.collate.PackingCollator`)
+    and runs the model with packed attention for the evaluation (its attention implementation and KV-cache
+    flag put back after): no padding, and the loss of the padded batches up to float32 summation order.
+    A model that cannot switch its attention implementation is evaluated padded, with a fallback warning.
+
+    With ``prefix_cache``, a model whose first layers are frozen runs them once per held-out batch and
+    only its trained layers at later evaluations (:class:`~.frozen_prefix.FrozenPrefixCache`): the same
+    logits.
+
     Returns:
         ``{"loss", "perplexity", "num_tokens", "num_examples"}``; loss in nats per target token.
     """
-    from smart_batching import compat
-    from smart_batching.loss import target_positions
+    if packed and not compat.can_set_attn_implementation(model):
+        warn_fallback(
+            "eval.packed",
+            f"{type(model).__name__} cannot switch its attention implementation: held-out batches padded",
+        )
+        packed = False
+    if not packed:
+        return _eval_batches(model, dataset, PaddingCollator(pad_token_id), batch_size, device, prefix_cache)
+    impl = getattr(model.config, "_attn_implementation", None)
+    cache = getattr(model.config, "use_cache", None)
+    enable_packed_attention(model)
+    try:
+        collate = PackingCollator(return_seq_idx=False)
+        return _eval_batches(model, dataset, collate, batch_size, device, prefix_cache)
+    finally:
+        if impl is not None:
+            compat.set_attn_implementation(model, impl)
+        if cache is not None:
+            model.config.use_cache = cache
 
-    collate = PaddingCollator(pad_token_id)
+
+def _eval_batches(
+    model: Any,
+    dataset: Any,
+    collate: Any,
+    batch_size: int,
+    device: Any,
+    prefix_cache: FrozenPrefixCache | None,
+) -> dict:
     keep_targets = compat.forward_accepts(model, "logits_to_keep")
     total = 0.0
     count = 0
-    for _, rows in _batches(dataset, batch_size):
+    for index, (_, rows) in enumerate(_batches(dataset, batch_size)):
         batch = collate(rows)
         labels = batch.pop("labels").to(device)
-        inputs = {k: v.to(device) for k, v in batch.items()}
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         # Predict token t+1 from position t: shift as the causal-LM loss does.
         target = labels[:, 1:]
         if keep_targets:
             keep = target_positions(labels)  # (kept,) positions t with a target at t + 1
-            logits = model(**inputs, logits_to_keep=keep).logits
+            if prefix_cache is not None:
+                logits = prefix_cache.logits(model, index, inputs, keep)
+            else:
+                logits = model(**inputs, logits_to_keep=keep).logits
             target = target[:, keep]
         else:
             logits = model(**inputs).logits[:, :-1]

@@ -13,12 +13,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from smart_batching.bench.frozen_prefix import FrozenPrefixCache
 from smart_batching.bench.machine import PeakMemory, release_memory
 from smart_batching.bench.measure import examples_digest, length_histogram, plan_randomness
 from smart_batching.bench.records import SCHEMA_VERSION
@@ -39,6 +40,8 @@ class BenchContext:
     versions: dict[str, str]
     eval_initial: dict[str, Any]
     records_path: Path
+    eval_prefix: FrozenPrefixCache = field(default_factory=FrozenPrefixCache)
+    """The held-out batches' hidden states before the first trained layer, shared by the bench's models."""
 
 
 TRAINER_ROW_OPTIONS = ("loss_normalization",)
@@ -129,7 +132,13 @@ def evaluate_model(
         ]
     else:
         ev = eval_causal_lm(
-            model, data.eval, pad_token_id=pad, batch_size=s["eval_batch_size"], device=bench.device
+            model,
+            data.eval,
+            pad_token_id=pad,
+            batch_size=s["eval_batch_size"],
+            device=bench.device,
+            prefix_cache=bench.eval_prefix,
+            packed=True,
         )
         outputs = generate_texts(
             model,
@@ -181,6 +190,8 @@ def held_out_eval(bench: BenchContext, model: Any) -> dict[str, Any]:
             pad_token_id=pad,
             batch_size=bench.settings["eval_batch_size"],
             device=bench.device,
+            prefix_cache=bench.eval_prefix,
+            packed=True,
         )
         return {"loss": ev["loss"]}
     finally:
