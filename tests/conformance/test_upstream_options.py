@@ -493,5 +493,5 @@ def test_every_row_of_the_table_is_held_by_a_test():
 
 
 def test_readme_shows_the_table():
-    readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's upstream-options table is stale: paste markdown_table()"
+    readme = (ROOT / "docs" / "options.md").read_text()
+    assert markdown_table() in readme, "docs/options.md: the upstream-options table is stale: paste markdown_table()"

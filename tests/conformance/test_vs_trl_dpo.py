@@ -432,8 +432,8 @@ def test_every_row_of_the_dpo_table_is_held_by_a_test():
 
 
 def test_readme_shows_the_dpo_table():
-    readme = (ROOT / "README.md").read_text()
-    assert dpo_markdown_table() in readme, "README's DPO options table is stale: paste dpo_markdown_table()"
+    readme = (ROOT / "docs" / "options.md").read_text()
+    assert dpo_markdown_table() in readme, "docs/options.md: the DPO options table is stale: paste dpo_markdown_table()"
 
 
 @pytest.mark.slow
