@@ -1,5 +1,5 @@
 # The two set-up commands of the README: `make demo` and `make test`.
-# Set-up installs the versions pinned in requirements/lock.txt (see README "Versions").
+# Set-up installs the versions pinned in requirements/lock.txt (see docs/getting-started.md, "Versions").
 VENV ?= .venv
 LATEST_VENV ?= .venv-latest
 VLLM_VENV ?= .venv-vllm
