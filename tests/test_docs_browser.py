@@ -87,3 +87,4 @@ def test_api_page_renders_docstrings(server, tmp_path):
     for name in ("SmartBatchingTrainer", "apply_smart_batching", "with_smart_batching"):
         assert f'id="smart_batching.hf.{name}"' in dom, name
     assert "doc-contents" in dom  # a docstring body, not just the headings
+    assert ":class:" not in dom and ":func:" not in dom  # the docstrings' Sphinx roles shown as code

@@ -1,4 +1,4 @@
-"""Every Python block of the documentation runs (docs/**/*.md).
+"""Every Python block of the documentation runs (docs/**/*.md and the README).
 
 A page's ```python blocks run top to bottom in one namespace, in a fresh working directory, the way a
 reader pastes them. A block right after an HTML comment ``<!-- requires: WHAT -->`` (``gpu``,
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 REQUIRES = re.compile(r"<!-- requires: ([a-z-]+) -->")
 MARKERS = {"gpu": "GPU", "several-processes": "several processes", "vllm": "vLLM"}
@@ -32,15 +33,18 @@ def blocks(page: Path) -> list[tuple[str | None, str, str]]:
     return out
 
 
-PAGES = sorted(p for p in DOCS.rglob("*.md") if any(req is None for req, _, _ in blocks(p)))
+PAGES = [ROOT / "README.md"] + sorted(
+    p for p in DOCS.rglob("*.md") if any(req is None for req, _, _ in blocks(p))
+)
 
 
 def test_the_docs_have_runnable_blocks():
-    names = {p.relative_to(DOCS).as_posix() for p in PAGES}
-    assert {"getting-started.md", "guides/hf-trainer.md", "guides/trl-sft.md", "guides/trl-dpo.md"} <= names
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES}
+    expected = {"README.md", "docs/index.md", "docs/getting-started.md", "docs/guides/hf-trainer.md"}
+    assert expected | {"docs/guides/trl-sft.md", "docs/guides/trl-dpo.md"} <= names
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_page_examples_run(page, tmp_path, monkeypatch, one_thread):
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
@@ -49,7 +53,7 @@ def test_page_examples_run(page, tmp_path, monkeypatch, one_thread):
         warnings.simplefilter("ignore")  # upstream deprecations are not what a page is about
         for i, (req, code, _) in enumerate(blocks(page)):
             if req is None:
-                exec(compile(code, f"{page.relative_to(DOCS)} block {i + 1}", "exec"), namespace)
+                exec(compile(code, f"{page.relative_to(ROOT)} block {i + 1}", "exec"), namespace)
 
 
 def test_marked_blocks_say_so_on_the_page():
