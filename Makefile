@@ -1,5 +1,5 @@
 # The two set-up commands of the README: `make demo` and `make test`.
-# Set-up installs the versions pinned in requirements/lock.txt (see README "Versions").
+# Set-up installs the versions pinned in requirements/lock.txt (see docs/getting-started.md, "Versions").
 VENV ?= .venv
 LATEST_VENV ?= .venv-latest
 VLLM_VENV ?= .venv-vllm
@@ -10,13 +10,16 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 PYTEST_MAX_WORKERS ?= 4
 
-.PHONY: demo test test-matrix test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean device-bundle
+.PHONY: demo test docs venv-docs test-matrix test-slow test-all test-latest lock bench bench-inference lint venv venv-dev clean device-bundle
 
 venv:
 	@bash scripts/setup_venv.sh $(VENV) hf,plot
 
 venv-dev:
 	@bash scripts/setup_venv.sh $(VENV) dev
+
+venv-docs:
+	@bash scripts/setup_venv.sh $(VENV) dev,docs
 
 ## Run the main job (analysis + short training bench) on the embedded default dataset.
 demo: venv
@@ -26,6 +29,18 @@ demo: venv
 ## PYTEST_WORKERS=0 runs it in one process.
 test: venv-dev
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --maxprocesses=$(PYTEST_MAX_WORKERS) $(PYTEST_ARGS)
+
+## The documentation site (mkdocs.yml, docs/): built strictly into out/site (a broken link or reference
+## fails), then rendered in headless Chromium (tests/test_docs_browser.py). Debian's chromium is installed
+## first only where it is missing and this runs as root with apt-get; elsewhere the browser check skips.
+docs: venv-docs
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "docs: installing Debian's chromium for the browser check"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; } \
+	  || echo "docs: chromium could not be installed; the browser check will skip"; fi
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_docs_browser.py
 
 ## The default suite under each machine setting of CONTRIBUTING's matrix (1 core, 1 thread, oneDNN off or
 ## capped, each forced CPU bf16 path), one after another. MATRIX="omp-1 half-native" runs some.
@@ -68,4 +83,4 @@ lint: venv-dev
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) out/site build dist src/*.egg-info .pytest_cache

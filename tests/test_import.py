@@ -34,7 +34,7 @@ def test_public_surface() -> None:
 
 def test_package_root_holds_at_most_ten_modules() -> None:
     """Subsystems live in packages; the root keeps the values, errors and the few cross-cutting modules
-    (README "Layout"). ``__init__`` and ``__main__`` are the package itself, not modules of it."""
+    (docs/layout.md). ``__init__`` and ``__main__`` are the package itself, not modules of it."""
     from pathlib import Path
 
     import smart_batching

@@ -408,7 +408,7 @@ def check_trainer_hooks() -> None:
 
         raise ConfigError(
             f"transformers {transformers.__version__}'s Trainer no longer has {', '.join(missing)}, which "
-            "smart batching overrides; install the tested versions (make venv, see README 'Versions')"
+            "smart batching overrides; install the tested versions (make venv, see docs/getting-started.md, 'Versions')"
         )
 
 
@@ -543,7 +543,7 @@ def make_shard_passthrough(loader: Any, sampler: Any) -> bool:
     if not (hasattr(shard, "num_processes") and hasattr(shard, "process_index")):
         raise ConfigError(
             f"accelerate's {type(shard).__name__} has no num_processes/process_index: this accelerate "
-            "is not one smart batching was tested with (see README 'Versions')"
+            "is not one smart batching was tested with (see docs/getting-started.md, 'Versions')"
         )
     shard.num_processes = 1
     shard.process_index = 0

@@ -189,7 +189,7 @@ def test_no_fallback_warning_under_trl_fused_lm_head(tmp_path, prompt_completion
     """Under SFTTrainer (plain NLL) target-only logits stand in for TRL's loss: no fallback warning of
     their own, and TRL's metrics are still logged (one training step runs). ``SFTConfig``'s defaults
     train in bf16: on a CPU without bf16 instructions (the emulated and reference paths) that, and only
-    that, is warned about (``precision.cpu_half``, README "No silent fallback")."""
+    that, is warned about (``precision.cpu_half``, docs/guides/fallbacks.md)."""
     from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks
 
     trainer = sft(tmp_path, prompt_completion, "packed")
@@ -492,6 +492,8 @@ def test_every_row_of_the_table_is_held_by_a_test():
                 assert t.__name__.startswith("test_"), name
 
 
-def test_readme_shows_the_table():
-    readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's upstream-options table is stale: paste markdown_table()"
+def test_docs_show_the_table():
+    page = (ROOT / "docs" / "options.md").read_text()
+    assert markdown_table() in page, (
+        "docs/options.md: the upstream-options table is stale: paste markdown_table()"
+    )

@@ -26,7 +26,9 @@ the forward pass (``fail_stage="forward"``) or when the backward pass reaches it
 the later layers' gradients were accumulated: what a real failure in backward leaves behind), on the
 ranks in ``fail_ranks`` (None: all). The environment sets the same without code changes:
 ``SMART_BATCHING_FAIL_OVER_TOKENS=T``, ``SMART_BATCHING_FAIL_STAGE=forward|backward``,
-``SMART_BATCHING_FAIL_RANKS=1`` (comma-separated).
+``SMART_BATCHING_FAIL_RANKS=1`` (comma-separated). The fault acts only while the back-off is on: the
+variables set the fault of an enabled back-off and switch it on where ``oom_backoff`` is left None;
+with ``oom_backoff=False`` they are ignored (:meth:`OomBackoff.coerce`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the moves stop paying (an all-reduce wait that short is lost in step-time noise)
 
 REFORM_TOLERANCE = 1.01
 """Steps more uneven than this are dissolved with their neighbours and formed again: 1 %, the
-promise of the README ("every step within 1-2 %")."""
+promise of the docs (docs/guides/distributed.md, "every step within 1-2 %")."""
 
 FILL_TOLERANCE = 1.002
 """A rank filled towards its step's target stops this close to it: a fifth of the reform tolerance,
@@ -80,7 +80,7 @@ well inside the promise; the moves are compiled, so aiming lower costs little.""
 
 MIX_KEEP_TOLERANCE = 1.02
 """Where no pool of donors gets a step within :data:`REFORM_TOLERANCE`, the most even result is kept if
-within this (the README's 1-2 %); worse ones are left for the Python re-forming, which evens out long
+within this (the 1-2 % of docs/guides/distributed.md); worse ones are left for the Python re-forming, which evens out long
 examples alone in a token budget better (and is hampered by a half-mixed step), and are taken only if
 that fails too."""
 

@@ -4,7 +4,7 @@ refused by name before the first step.
 One line on a trainer (``apply_smart_batching(sft_trainer, "packed")``) changes the batches and nothing
 else: the same documents, the same tokens in the loss, the same attention boundaries as the trainer
 alone. :data:`UPSTREAM_OPTIONS` says, for each option of ``TrainingArguments`` and TRL's ``SFTConfig``
-that touches the data path, what smart batching does with it; the README's table is this table
+that touches the data path, what smart batching does with it; the table in docs/options.md is this table
 (``tests/conformance/test_upstream_options.py`` holds each row). :func:`resolve_upstream` applies it when
 smart batching is set up: options it honours fill in strategy options the caller left out (an option
 given in ``strategy_options`` wins), and combinations it cannot honour raise
@@ -215,7 +215,7 @@ def collator_options(trainer: Any, spec: Any) -> dict[str, Any]:
 
 
 def markdown_table() -> str:
-    """:data:`UPSTREAM_OPTIONS` as the README's markdown table."""
+    """:data:`UPSTREAM_OPTIONS` as the markdown table of docs/options.md."""
     lines = ["| option | what smart batching does |", "|---|---|"]
     lines += [f"| {o.owner}: {_names(o.name)} | {o.rule} |" for o in UPSTREAM_OPTIONS]
     return "\n".join(lines)

@@ -145,7 +145,7 @@ class DPOSmartBatchingMixin(SmartBatchingMixin):
         if missing:
             raise ConfigError(
                 f"this DPOTrainer has no {', '.join(missing)}, which smart batching reads: install the tested TRL "
-                "(README 'Versions')"
+                "(docs/getting-started.md, 'Versions')"
             )
         if _is_iterable(self.train_dataset):
             raise ConfigError(

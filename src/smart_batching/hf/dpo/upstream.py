@@ -1,6 +1,6 @@
 """TRL ``DPOConfig``'s options under smart batching: honoured, or refused by name before step 1.
 
-:data:`DPO_OPTIONS` is the README's DPO table (``tests/conformance/test_vs_trl_dpo.py`` holds each row);
+:data:`DPO_OPTIONS` is the DPO table of docs/options.md (``tests/conformance/test_vs_trl_dpo.py`` holds each row);
 ``TrainingArguments`` options follow :data:`smart_batching.hf.upstream.UPSTREAM_OPTIONS` as for any
 trainer. :func:`resolve_dpo_upstream` applies both. :data:`PAIRS` is what the kind accepts where a
 refusal advises (a pair is one unit: never cut; no searched budget), :data:`REFUSALS` the options of
@@ -148,7 +148,7 @@ def resolve_dpo_upstream(
 
 
 def dpo_markdown_table() -> str:
-    """:data:`DPO_OPTIONS` as the README's markdown table."""
+    """:data:`DPO_OPTIONS` as the markdown table of docs/options.md."""
     lines = ["| option | what smart batching does |", "|---|---|"]
     lines += [f"| {o.owner}: {_names(o.name)} | {o.rule} |" for o in DPO_OPTIONS]
     return "\n".join(lines)
