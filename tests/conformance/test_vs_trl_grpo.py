@@ -242,3 +242,45 @@ def test_a_completion_over_the_budget_is_refused_with_advice(model_dir):
 
 def test_readme_shows_the_grpo_table():
     assert grpo_markdown_table() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_log_what_trl_alone_logs(model_dir, tmp_path):
+    """2 processes (torchrun, gloo, DDP through TRL's trainer): TRL alone, ``packed`` and ``token_budget``
+    runs log the same history (every metric gathered across ranks) and end with the same weights."""
+    import json
+    import os
+    import subprocess
+
+    from ports import free_port
+
+    layouts = {"trl": None, "packed": ["packed", {"capacity": 40}], "token_budget": ["token_budget",
+               {"max_tokens": 60}]}  # fmt: skip
+    worker = Path(__file__).resolve().parents[1] / "grpo_ddp_worker.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(worker), "--out", str(tmp_path), "--model", model_dir,
+        "--layouts", json.dumps(layouts),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {
+        n: [torch.load(tmp_path / f"{n}_rank{r}.pt", weights_only=False) for r in range(2)] for n in layouts
+    }
+    want = runs["trl"][0]
+    assert len(want["history"]) == 3 and "clip_ratio/region_mean" in want["history"][0]
+    for name in ("packed", "token_budget"):
+        for rank in range(2):
+            got = runs[name][rank]
+            assert got["forwards"] > 0
+            for w, g in zip(want["history"], got["history"], strict=True):
+                for key in w:
+                    if key in ("step_time", "train_runtime") or "per_second" in key:
+                        continue
+                    assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (name, rank, key)
+            for key, value in want["weights"].items():
+                torch.testing.assert_close(
+                    got["weights"][key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}"
+                )

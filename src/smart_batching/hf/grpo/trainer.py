@@ -200,23 +200,27 @@ class GRPOSmartBatchingMixin:
             found = Completions.from_padded(input_ids[chunk], attention_mask[chunk], width)
             units = found.split_units(found.units(state.prompt_sharing), state.spec.capacity)
             plan = plan_batches(found.costs(units), state.spec, seed=state.seed)
-            for b in range(len(plan)):
-                for members in plan.rows(b):
-                    row = found.row([units[i] for i in members], input_ids.device)
-                    self._sb_check_attention(model)
-                    with self.accelerator.autocast():
-                        out = model(
-                            input_ids=row["input_ids"], position_ids=row["position_ids"],
-                            shared_prefix_lengths=row["shared_prefix_lengths"], shift_labels=row["shift_labels"],
-                            fused_lm_head=True,
-                        )  # fmt: skip
-                    source = row["source"]
-                    logps.append(out.log_probs[0].index_select(0, source))
-                    if compute_entropy:
-                        entropies.append(out.entropy[0].index_select(0, source))
-                    targets.append(row["target"] + int(chunk[0]) * width)
-                    state.num_forwards += 1
-                    state.num_tokens += int(row["input_ids"].shape[1])
+            rows = [members for b in range(len(plan)) for members in plan.rows(b)]
+            if model is not self.accelerator.unwrap_model(model):
+                # A wrapped model (DDP) runs collectives in every forward: one forward per call on every
+                # rank, as TRL's, so the planned rows go end to end in one row.
+                rows = [np.concatenate(rows)]
+            for members in rows:
+                row = found.row([units[i] for i in members], input_ids.device)
+                self._sb_check_attention(model)
+                with self.accelerator.autocast():
+                    out = model(
+                        input_ids=row["input_ids"], position_ids=row["position_ids"],
+                        shared_prefix_lengths=row["shared_prefix_lengths"], shift_labels=row["shift_labels"],
+                        fused_lm_head=True,
+                    )  # fmt: skip
+                source = row["source"]
+                logps.append(out.log_probs[0].index_select(0, source))
+                if compute_entropy:
+                    entropies.append(out.entropy[0].index_select(0, source))
+                targets.append(row["target"] + int(chunk[0]) * width)
+                state.num_forwards += 1
+                state.num_tokens += int(row["input_ids"].shape[1])
         index = torch.cat(targets)
         shape = (input_ids.shape[0], width)
 
