@@ -680,3 +680,23 @@ def test_the_layers_after_a_frozen_prefix_replay_to_the_full_forwards_logits():
         transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
     )
     assert "GPT2LMHeadModel" in compat.decoder_tail_unsupported(gpt2)
+
+
+def test_trl_grpo_trainer_is_recognised_and_its_log_prob_method_read():
+    """TRL 1.16's GRPOTrainer: the class (and a subclass) recognised, and the one method smart batching
+    replaces, ``_get_per_token_logps_and_entropies``, with the parameters it is called with."""
+    trl = pytest.importorskip("trl")
+    mine = type("MyGRPOTrainer", (trl.GRPOTrainer,), {})
+    assert compat.is_trl_grpo_trainer(trl.GRPOTrainer) and compat.is_trl_grpo_trainer(mine)
+    assert not compat.is_trl_grpo_trainer(trl.DPOTrainer) and not compat.is_trl_grpo_trainer(object())
+    import inspect
+
+    params = tuple(inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies).parameters)[1:]
+    assert params[: len(compat.TRL_GRPO_LOGPS_PARAMETERS)] == compat.TRL_GRPO_LOGPS_PARAMETERS
+    source = inspect.getsource(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "fused_lm_head=True" in source and "[:, -logits_to_keep:]" in source  # what our rows reproduce
+    init = inspect.getsource(trl.GRPOTrainer.__init__)
+    for name in compat.TRL_GRPO_ATTRIBUTES:
+        assert f"self.{name} =" in init, name
+    # an object without the method or attributes lacks them all
+    assert len(compat.missing_trl_grpo_attributes(object())) == len(compat.TRL_GRPO_ATTRIBUTES) + 1

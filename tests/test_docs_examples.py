@@ -41,7 +41,7 @@ PAGES = [ROOT / "README.md"] + sorted(
 def test_the_docs_have_runnable_blocks():
     names = {p.relative_to(ROOT).as_posix() for p in PAGES}
     expected = {"README.md", "docs/index.md", "docs/getting-started.md", "docs/guides/hf-trainer.md"}
-    assert expected | {"docs/guides/trl-sft.md", "docs/guides/trl-dpo.md"} <= names
+    assert expected | {"docs/guides/trl-sft.md", "docs/guides/trl-dpo.md", "docs/guides/trl-grpo.md"} <= names
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())

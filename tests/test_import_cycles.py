@@ -122,7 +122,7 @@ def test_hf_adapters_sit_between_the_core_and_the_entry_points() -> None:
     graph = import_graph(deferred=True)
     hf = {m: edges for m, edges in graph.items() if m == HF or m.startswith(HF + ".")}
     adapters = set(ADAPTERS)
-    assert {f"{HF}.sft", f"{HF}.dpo"} <= adapters
+    assert {f"{HF}.sft", f"{HF}.dpo", f"{HF}.grpo"} <= adapters
     for module, edges in hf.items():
         mine = _adapter(module)
         for target in edges:

@@ -6,6 +6,7 @@ advice that the same kind accepts. Then every piece of advice a ``DPOTrainer`` i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -38,6 +39,8 @@ def _load(name, path):
 
 DPO_EX = _load("trl_dpo_example", ROOT / "examples" / "trl_dpo.py")
 TOY = _load("toy_trainer_kind", Path(__file__).with_name("toy_trainer_kind.py"))
+GRPO_SETUP = _load("grpo_setup", Path(__file__).with_name("grpo_setup.py"))
+GRPO_PROMPTS = GRPO_SETUP.prompts(4, words=6)
 PAIRS = DPO_EX.preference_task(8, seed=5)
 VOCAB = 64
 
@@ -87,22 +90,38 @@ def _dpo(tmp_path, **config):
     return DPO_EX.dpo_trainer(PAIRS, output_dir=str(tmp_path / "out"), **config)
 
 
+@functools.cache
+def _grpo_model() -> str:
+    return GRPO_SETUP.save_model()
+
+
+def _grpo(tmp_path, **config):
+    # TRL's GRPOConfig refuses auto_find_batch_size itself: it is set after construction, where a user can too.
+    auto = config.pop("auto_find_batch_size", False)
+    trainer = GRPO_SETUP.grpo_trainer(_grpo_model(), GRPO_PROMPTS, output_dir=str(tmp_path / "out"), **config)
+    trainer.args.auto_find_batch_size = auto
+    return trainer
+
+
 # One case per registered kind: a real tiny trainer of it, a budget every unit fits and one none fits.
 CASES = {
     "DPOTrainer": (_dpo, 400, 20),
+    "GRPOTrainer": (_grpo, 200, 8),  # prompts of 7 tokens: a completion with its prompt never fits 8
     "ToyTrainer": (_plain(TOY.ToyTrainer), 64, 15),
     "Trainer": (_plain(transformers.Trainer), 64, 15),
 }
 
 
 def test_the_kinds_match_most_specific_first():
-    assert REFUSING == ["DPOTrainer", "ToyTrainer"]
-    assert kinds.kind_names() == ("DPOTrainer", "ToyTrainer", "Trainer")
+    assert REFUSING == ["DPOTrainer", "GRPOTrainer", "ToyTrainer"]
+    assert kinds.kind_names() == ("DPOTrainer", "GRPOTrainer", "ToyTrainer", "Trainer")
     assert set(CASES) == set(kinds.kind_names()), "every registered kind has a contract case"
     assert all(isinstance(k, TrainerKind) for k in kinds.KINDS.values())
     # SFTTrainer is the generic kind's; TRL's DPOTrainer subclasses Trainer but is its own kind.
     assert kinds.kind_of(trl.SFTTrainer).name == "Trainer"
     assert kinds.kind_of(trl.DPOTrainer).name == "DPOTrainer"
+    assert kinds.kind_of(trl.GRPOTrainer).name == "GRPOTrainer"
+    assert kinds.kind_of(type("MyGRPOTrainer", (trl.GRPOTrainer,), {})).name == "GRPOTrainer"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -155,10 +174,11 @@ def test_an_unknown_kind_is_refused_with_the_kinds_there_are():
             assert name in str(err.value)
 
 
-@pytest.mark.parametrize("name", [n for n in ("GRPOTrainer", "RLOOTrainer") if hasattr(trl, n)])
+@pytest.mark.parametrize("name", [n for n in ("RLOOTrainer",) if hasattr(trl, n)])
 def test_trl_online_trainers_are_refused_by_name(name):
-    """TRL's GRPOTrainer subclasses Trainer but trains on completions it generates: no kind plans it yet,
-    so it is refused by name (a subclass too) instead of being planned as a dataset of examples."""
+    """TRL's RLOOTrainer subclasses Trainer but trains on completions it generates: no kind plans it yet
+    (GRPOTrainer has its own), so it is refused by name (a subclass too) instead of being planned as a
+    dataset of examples."""
     online = getattr(trl, name)
     mine = type(f"My{name}", (online,), {})
     assert transformers.Trainer in online.__mro__  # what would otherwise make it the Trainer kind
@@ -174,15 +194,18 @@ def test_register_places_a_kind_and_refuses_what_is_not_one():
         kinds.register(TOY.TOY, before="NoSuchKind")
     with pytest.raises(ConfigError, match="must be a TrainerKind"):
         kinds.register(object())
-    assert kinds.kind_names() == ("DPOTrainer", "ToyTrainer", "Trainer")  # unchanged
+    assert kinds.kind_names() == ("DPOTrainer", "GRPOTrainer", "ToyTrainer", "Trainer")  # unchanged
 
 
 # -- advice that the kind accepts -------------------------------------------------------------------
 
 
 def _works(trainer, strategy, **options):
-    """Applied, and a first batch drawn: not refused."""
+    """Applied, and a first batch drawn: not refused. A GRPOTrainer's units are the completions it generates,
+    so it trains its step."""
     apply_smart_batching(trainer, strategy, **options)
+    if kinds.kind_of(trainer).name == "GRPOTrainer":
+        trainer.train()
     assert next(iter(trainer.get_train_dataloader())) is not None
     return trainer
 
@@ -205,7 +228,13 @@ def test_every_overlong_policy_advised_is_accepted_by_the_kind(tmp_path, name):
     with pytest.raises(OverlongError, match="Raise max_tokens=") as err:
         _works(make(tmp_path), "token_budget", max_tokens=tight)
     advised = re.findall(r"'(\w+)'", str(err.value).split("choose overlong=", 1)[-1])
-    assert advised and set(advised) <= set(kinds.KINDS[name].accepts.overlong), str(err.value)
+    accepted = kinds.KINDS[name].accepts.overlong
+    if accepted == ("error",):  # units that are never cut or dropped: only the budget is advised
+        assert "choose overlong" not in str(err.value)
+        advised = []
+    else:
+        assert advised, str(err.value)
+    assert set(advised) <= set(accepted), str(err.value)
     for policy in advised:
         _works(make(tmp_path), "token_budget", max_tokens=tight, overlong=policy)
     _works(make(tmp_path), "token_budget", max_tokens=fits)  # raised

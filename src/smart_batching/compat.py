@@ -36,6 +36,8 @@ TRL ``DPOTrainer``: columns, collator,    :data:`TRL_DPO_COLUMNS`, :func:`is_trl
 fused log-prob head, PEFT                 :func:`is_trl_preference_collator`, :data:`TRL_FUSED_LM_HEAD_FIELDS`,
                                           :func:`trl_fused_lm_head_takes_shift_labels`,
                                           :func:`trl_backbone`, :func:`is_peft_model`
+TRL ``GRPOTrainer``: its log-prob method  :func:`is_trl_grpo_trainer`, :data:`TRL_GRPO_LOGPS_PARAMETERS`,
+                                          :func:`missing_trl_grpo_attributes`
 sequence parallelism (accelerate)         :func:`sequence_parallel_enabled`
 DeepSpeed / FSDP in the Trainer           :func:`trainer_uses_deepspeed`, :func:`trainer_uses_fsdp`
 torch's fused varlen attention            :func:`torch_varlen_attn`, :func:`torch_varlen_call`
@@ -1046,6 +1048,48 @@ def is_trl_dpo_trainer(trainer: Any) -> bool:
 def missing_trl_dpo_attributes(trainer: Any) -> list[str]:
     """The :data:`TRL_DPO_ATTRIBUTES` a ``DPOTrainer`` instance lacks (none on TRL 1.16)."""
     return [a for a in TRL_DPO_ATTRIBUTES if not hasattr(trainer, a)]
+
+
+TRL_GRPO_LOGPS_PARAMETERS = (
+    "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy", "compute_aux_loss",
+)  # fmt: skip
+"""The leading parameters of ``GRPOTrainer._get_per_token_logps_and_entropies`` (TRL 1.16), the one method
+smart batching replaces: TRL calls it for the policy, the old policy and the reference model with a
+``(B, prompt_width + logits_to_keep)`` batch (prompts left-padded, completions right-padded) and reads
+``(B, logits_to_keep)`` log-probabilities and entropies back."""
+
+TRL_GRPO_ATTRIBUTES = ("ref_model", "aux_loss_enabled", "loss_type", "num_generations", "_metrics", "_is_vlm")
+"""``GRPOTrainer`` attributes smart batching reads (or that TRL's loss code reads beside it)."""
+
+
+def is_trl_grpo_trainer(trainer: Any) -> bool:
+    """``trainer`` is TRL's ``GRPOTrainer``, a subclass or an instance of one; TRL is not imported if it is
+    not loaded."""
+    import sys
+
+    trl = sys.modules.get("trl")
+    grpo = getattr(trl, "GRPOTrainer", None) if trl is not None else None
+    if grpo is None:
+        return False
+    return issubclass(trainer, grpo) if isinstance(trainer, type) else isinstance(trainer, grpo)
+
+
+def missing_trl_grpo_attributes(trainer: Any) -> list[str]:
+    """What a ``GRPOTrainer`` instance lacks of :data:`TRL_GRPO_ATTRIBUTES` and of the signature
+    :data:`TRL_GRPO_LOGPS_PARAMETERS` (none on TRL 1.16)."""
+    import inspect
+
+    missing = [a for a in TRL_GRPO_ATTRIBUTES if not hasattr(trainer, a)]
+    method = getattr(type(trainer), "_get_per_token_logps_and_entropies", None)
+    # The TRL class's own method (ours overrides it): the first one in the MRO that is not smart batching's.
+    for cls in type(trainer).__mro__:
+        if "_get_per_token_logps_and_entropies" in vars(cls) and cls.__module__.startswith("trl."):
+            method = vars(cls)["_get_per_token_logps_and_entropies"]
+            break
+    params = tuple(inspect.signature(method).parameters)[1:] if method is not None else ()
+    if params[: len(TRL_GRPO_LOGPS_PARAMETERS)] != TRL_GRPO_LOGPS_PARAMETERS:
+        missing.append("_get_per_token_logps_and_entropies(" + ", ".join(TRL_GRPO_LOGPS_PARAMETERS) + ")")
+    return missing
 
 
 def is_trl_preference_collator(collator: Any) -> bool:

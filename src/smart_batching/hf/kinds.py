@@ -5,6 +5,8 @@
 kind               adapter
 =================  ======================================================================================
 ``DPOTrainer``     :mod:`smart_batching.hf.dpo`: TRL's ``DPOTrainer``, preference pairs as units
+``GRPOTrainer``    :mod:`smart_batching.hf.grpo`: TRL's ``GRPOTrainer``, generated completions grouped by
+                   prompt as units
 ``Trainer``        :mod:`smart_batching.hf.sft`: transformers' ``Trainer`` and its subclasses (TRL's
                    ``SFTTrainer``, yours), examples as units
 =================  ======================================================================================
@@ -24,6 +26,7 @@ from smart_batching import compat
 from smart_batching.errors import ConfigError
 from smart_batching.hf.adapter import TrainerKind
 from smart_batching.hf.dpo import DPO
+from smart_batching.hf.grpo import GRPO
 from smart_batching.hf.sft import TRAINER
 from smart_batching.planners import DEFAULT_STRATEGY
 
@@ -56,7 +59,7 @@ def unregister(name: str) -> None:
 
 
 # Most specific first: TRL's trainers subclass transformers.Trainer, the generic kind matches any of them.
-for _kind in (DPO, TRAINER):
+for _kind in (DPO, GRPO, TRAINER):
     register(_kind)
 
 

@@ -43,8 +43,8 @@ def apply_trainer_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY,
 
 
 def _recognises(trainer: Any) -> bool:
-    # TRL's online trainers (GRPOTrainer, ...) subclass Trainer but train on completions they generate:
-    # no kind is registered for them yet, so they are refused by name rather than planned as examples.
+    # TRL's online trainers subclass Trainer but train on completions they generate: GRPOTrainer has its
+    # own kind (matched first); the others are refused by name rather than planned as examples.
     return compat.is_hf_trainer(trainer) and compat.trl_online_trainer_name(trainer) is None
 
 
@@ -52,7 +52,7 @@ TRAINER = TrainerKind(
     name="Trainer",
     description=(
         "transformers.Trainer and its subclasses (TRL's SFTTrainer, yours; not TRL's online trainers such as "
-        "GRPOTrainer): examples are the units"
+        "RLOOTrainer): examples are the units"
     ),
     recognises=_recognises,
     apply=apply_trainer_smart_batching,
