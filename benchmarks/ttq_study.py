@@ -348,6 +348,9 @@ def report(paths: list[str], plot_path: str | None, as_json: bool) -> list[dict[
     rows, by_task = [], {}
     for (task, key), records in groups.items():
         name = task if sum(t == task for t, _ in groups) == 1 else f"{task} ({key})"
+        # Each run is its own bench process with its own bench_id; the runs of one (task, settings) are one
+        # bench here, so every run's target is random's final loss with the same seed among them.
+        records = [{**r, "bench_id": f"study-{task}-{key}"} for r in records]
         rows += summarise(name, records)
         by_task[name] = records
     if as_json:

@@ -100,11 +100,15 @@ def test_report_reads_the_results_file_by_task_and_settings(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     epochs = [0.0, 1.0]
     for seed, shift in enumerate([0.0, 0.1]):
-        for row, loss in (("random", 8.0 + shift), ("packed", (8.0 + shift) * 1.01)):
+        for row, loss in (("random", 8.0 + shift), ("packed", (8.0 + shift) * 0.99)):
             record = _record(row, seed, [10.0, loss], [0, 3], epochs)
+            record["bench_id"] = f"{row}-{seed}"  # each run its own bench process, as the study runs them
             record["study"] = {"task": "gsm8k", "row": row, "seed": seed, "settings_hash": "h1"}
             ttq_study.append_result(path, record)
     rows = {r["strategy"]: r for r in ttq_study.report([str(path)], None, as_json=True)}
-    assert rows["packed"]["epochs"][0]["diff_to_random"] == pytest.approx(0.01)
+    assert rows["packed"]["epochs"][0]["diff_to_random"] == pytest.approx(-0.01)
     assert rows["packed"]["task"] == "gsm8k" and rows["packed"]["seeds"] == 2
+    # Targets across the runs' own bench ids: packed (1 % below random) reaches random's final loss.
+    assert rows["random"]["reached"] == 2 and rows["packed"]["reached"] == 2
+    assert rows["packed"]["ttt_wall"]["median"] == pytest.approx(1.0)
     assert sum(line.startswith("{") for line in capsys.readouterr().out.splitlines()) == 2
