@@ -40,7 +40,7 @@ completion tokens). Peak memory per row is the process's resident-set high-water
 
 Run::
 
-    python benchmarks/grpo_train.py --quick                      # tiny model, seconds
+    python benchmarks/grpo_train.py --quick                      # tiny model, about 40 s on 2 busy cores
     python benchmarks/grpo_train.py --model smollm2 --prompts 4 --trainable-layers 2 --threads 2
     python benchmarks/grpo_train.py ... --json                   # one JSON record per (prompts, row)
 """
