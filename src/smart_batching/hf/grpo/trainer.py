@@ -38,7 +38,7 @@ from smart_batching.errors import ConfigError
 from smart_batching.hf.adapter import Accepts, refuse_overlong, split_options
 from smart_batching.hf.grpo.rows import Completions, chunk_rows
 from smart_batching.hf.grpo.upstream import COMPLETIONS, resolve_grpo_upstream
-from smart_batching.planners import make_spec, plan_batches
+from smart_batching.planners import FASTEST_STRATEGY, make_spec, plan_batches
 
 logger = logging.getLogger("smart_batching.hf")
 
@@ -79,7 +79,7 @@ class GRPOSmartBatchingMixin:
 
     def setup_smart_batching(
         self,
-        strategy: Any = "packed",
+        strategy: Any = FASTEST_STRATEGY,
         *,
         strategy_options: Mapping[str, Any] | None = None,
         seed: int | None = None,
@@ -299,7 +299,7 @@ def with_grpo_smart_batching(trainer_cls: type) -> type:
     return _MIXED[trainer_cls]
 
 
-def apply_grpo_smart_batching(trainer: Any, strategy: Any = "packed", **options: Any) -> Any:
+def apply_grpo_smart_batching(trainer: Any, strategy: Any = FASTEST_STRATEGY, **options: Any) -> Any:
     """:func:`~smart_batching.hf.apply_smart_batching` for a ``GRPOTrainer``: options of
     :meth:`GRPOSmartBatchingMixin.setup_smart_batching` go there, the rest are the strategy's fields.
     The trainer is switched only once every option is accepted."""

@@ -17,8 +17,6 @@ from smart_batching.hf.upstream import UpstreamOption, _names
 from smart_batching.planners import spec_class
 
 GRPO = "GRPOConfig"
-STRATEGIES = ("packed", "token_budget")
-"""The strategies a ``GRPOTrainer`` takes: its training pass is planned by tokens."""
 
 GRPO_OPTIONS: tuple[UpstreamOption, ...] = (
     UpstreamOption(GRPO, "loss_type",
@@ -76,8 +74,9 @@ def resolve_grpo_upstream(trainer: Any, strategy: Any, options: dict[str, Any]) 
     Raises:
         ConfigError: a setting that cannot be honoured, named with what to change.
     """
-    name = spec_class(strategy).name
-    if name not in STRATEGIES:
+    cls = spec_class(strategy)
+    name = cls.name
+    if cls.budget_option is None:  # the strategies planned under a token budget (packed, token_budget)
         raise ConfigError(
             f"strategy {name!r} is not available for a GRPOTrainer: its training pass is planned by tokens; "
             "use 'packed' (prompt once per group) or 'token_budget'"
@@ -108,7 +107,7 @@ def resolve_grpo_upstream(trainer: Any, strategy: Any, options: dict[str, Any]) 
             "vision prompts (image/images): the forward takes image inputs per padded row; train them "
             "without apply_smart_batching"
         )
-    if name == "packed" and compat.is_peft_model(trainer.model):
+    if cls.packs_rows and compat.is_peft_model(trainer.model):
         raise ConfigError(
             "strategy 'packed' with a PEFT model (peft_config) is not supported yet: use 'token_budget'"
         )
@@ -135,7 +134,6 @@ __all__ = [
     "COMPLETIONS",
     "GRPO_OPTIONS",
     "REFUSALS",
-    "STRATEGIES",
     "grpo_markdown_table",
     "resolve_grpo_upstream",
 ]
