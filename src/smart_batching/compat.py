@@ -63,6 +63,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -346,13 +347,7 @@ TRAINER_DEFAULT_SAMPLING = ("random", None)
 def is_hf_trainer(trainer: Any) -> bool:
     """``trainer`` is a ``transformers.Trainer``, a subclass or an instance of one; transformers is not
     imported if it is not loaded (then nothing is one)."""
-    import sys
-
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "Trainer", None) if transformers is not None else None
-    if base is None:
-        return False
-    return issubclass(trainer, base) if isinstance(trainer, type) else isinstance(trainer, base)
+    return is_loaded_subclass(trainer, "transformers", "Trainer")
 
 
 # TRL's trainers that generate their own completions during training: their training pass is not a
@@ -370,17 +365,27 @@ TRL_ONLINE_TRAINERS = (
 def trl_online_trainer_name(trainer: Any) -> str | None:
     """The name of the TRL online trainer (:data:`TRL_ONLINE_TRAINERS`: ``GRPOTrainer``, ...) that
     ``trainer`` (an instance or a class) is or subclasses; None otherwise, or where TRL is not loaded."""
-    import sys
-
-    trl = sys.modules.get("trl")
-    if trl is None:
-        return None
-    cls = trainer if isinstance(trainer, type) else type(trainer)
     for name in TRL_ONLINE_TRAINERS:
-        base = getattr(trl, name, None)
-        if isinstance(base, type) and issubclass(cls, base):
+        if is_loaded_subclass(trainer, "trl", name):
             return name
     return None
+
+
+def loaded_class(module: str, name: str) -> type | None:
+    """The class ``name`` of ``module`` (``"trl"``, ``"DPOTrainer"``) where that module is loaded; None
+    otherwise (the module is never imported here)."""
+    loaded = sys.modules.get(module)
+    cls = getattr(loaded, name, None) if loaded is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def is_loaded_subclass(obj: Any, module: str, name: str) -> bool:
+    """``obj`` (a class or an instance) is the class ``name`` of ``module``, or a subclass of it, that module
+    being loaded."""
+    base = loaded_class(module, name)
+    if base is None:
+        return False
+    return issubclass(obj, base) if isinstance(obj, type) else isinstance(obj, base)
 
 
 def missing_trainer_hooks(trainer_class: type | None = None) -> list[str]:
@@ -462,10 +467,7 @@ TRL_SFT_METRIC_ATTRIBUTES = ("_metrics", "_total_train_tokens", "_tp_size", "aux
 
 def is_trl_sft_trainer(trainer: Any) -> bool:
     """``trainer`` is TRL's ``SFTTrainer`` (or a subclass); TRL is not imported if it is not loaded."""
-    import sys
-
-    trl = sys.modules.get("trl")
-    sft = getattr(trl, "SFTTrainer", None) if trl is not None else None
+    sft = loaded_class("trl", "SFTTrainer")
     return sft is not None and isinstance(trainer, sft)
 
 
@@ -1036,13 +1038,7 @@ TRL_FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_lo
 def is_trl_dpo_trainer(trainer: Any) -> bool:
     """``trainer`` is TRL's ``DPOTrainer``, a subclass or an instance of one; TRL is not imported if it is
     not loaded."""
-    import sys
-
-    trl = sys.modules.get("trl")
-    dpo = getattr(trl, "DPOTrainer", None) if trl is not None else None
-    if dpo is None:
-        return False
-    return issubclass(trainer, dpo) if isinstance(trainer, type) else isinstance(trainer, dpo)
+    return is_loaded_subclass(trainer, "trl", "DPOTrainer")
 
 
 def missing_trl_dpo_attributes(trainer: Any) -> list[str]:
@@ -1065,20 +1061,12 @@ TRL_GRPO_ATTRIBUTES = ("ref_model", "aux_loss_enabled", "loss_type", "num_genera
 def is_trl_grpo_trainer(trainer: Any) -> bool:
     """``trainer`` is TRL's ``GRPOTrainer``, a subclass or an instance of one; TRL is not imported if it is
     not loaded."""
-    import sys
-
-    trl = sys.modules.get("trl")
-    grpo = getattr(trl, "GRPOTrainer", None) if trl is not None else None
-    if grpo is None:
-        return False
-    return issubclass(trainer, grpo) if isinstance(trainer, type) else isinstance(trainer, grpo)
+    return is_loaded_subclass(trainer, "trl", "GRPOTrainer")
 
 
 def missing_trl_grpo_attributes(trainer: Any) -> list[str]:
     """What a ``GRPOTrainer`` instance lacks of :data:`TRL_GRPO_ATTRIBUTES` and of the signature
     :data:`TRL_GRPO_LOGPS_PARAMETERS` (none on TRL 1.16)."""
-    import inspect
-
     missing = [a for a in TRL_GRPO_ATTRIBUTES if not hasattr(trainer, a)]
     method = getattr(type(trainer), "_get_per_token_logps_and_entropies", None)
     # The TRL class's own method (ours overrides it): the first one in the MRO that is not smart batching's.
