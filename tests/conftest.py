@@ -58,6 +58,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def quiet_hf():
+    """No datasets progress bars and only transformers' errors for a module of HF trainers (the trainer
+    tests' output stays readable); the bars come back after."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    yield
+    datasets.enable_progress_bars()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_fallbacks():
     """Each test sees its own fallback warnings and counts (they warn once per process otherwise)."""

@@ -22,14 +22,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TRANSFORMERS = Version(transformers.__version__)
 
 
-@pytest.fixture(scope="module")
-def llama():
+def _tiny_llama(num_layers: int = 2):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _tiny_llama()
 
 
 def test_cache_argument_is_read_from_the_model_and_a_forward_takes_it(llama):
@@ -648,12 +652,7 @@ def test_trl_online_trainer_name_reads_trl_s_online_trainers():
 def test_the_layers_after_a_frozen_prefix_replay_to_the_full_forwards_logits():
     import copy
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama(3)  # its own: the test freezes and changes layers
     assert compat.decoder_tail_unsupported(model) is None
     assert compat.frozen_prefix_length(model) == 0  # everything trains: no prefix
     compat.train_last_layers(model, 1)

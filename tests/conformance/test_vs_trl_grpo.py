@@ -48,12 +48,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet(one_thread):
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet_hf")
 
 
 @pytest.fixture(scope="module")

@@ -161,12 +161,7 @@ def _pairs() -> list:
     ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet():
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    yield
-    datasets.enable_progress_bars()
+pytestmark = pytest.mark.usefixtures("quiet_hf")
 
 
 LABEL_CASES = _pairs()
