@@ -106,6 +106,23 @@ def split_options(setup: Callable[..., Any], options: Mapping[str, Any]) -> dict
     return out
 
 
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def mixed_class(mixin: type, trainer_cls: type, namespace: Mapping[str, Any] | None = None) -> type:
+    """``SmartBatching<trainer_cls>``: a subclass of ``trainer_cls`` with a kind's ``mixin`` first (and the
+    attributes of ``namespace``), made once per (mixin, class); ``trainer_cls`` itself where it has the
+    mixin already."""
+    if issubclass(trainer_cls, mixin):
+        return trainer_cls
+    key = (mixin, trainer_cls)
+    if key not in _MIXED:
+        _MIXED[key] = type(
+            f"SmartBatching{trainer_cls.__name__}", (mixin, trainer_cls), dict(namespace or {})
+        )
+    return _MIXED[key]
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerKind:
     """One trainer kind and its adapter: what :func:`~smart_batching.hf.apply_smart_batching` and

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 from smart_batching import compat
 from smart_batching.errors import ConfigError
-from smart_batching.hf.adapter import Accepts, refuse_overlong, split_options
+from smart_batching.hf.adapter import Accepts, mixed_class, refuse_overlong, split_options
 from smart_batching.hf.data import _is_iterable
 from smart_batching.hf.dpo.collate import PairCollator, PairLengths, dataset_pair_lengths
 from smart_batching.hf.dpo.model import PairForward, check_pair_layout, pair_models
@@ -292,22 +292,11 @@ class DPOSmartBatchingMixin(SmartBatchingMixin):
         return result * weight
 
 
-_MIXED: dict[type, type] = {}
-
-
 def with_dpo_smart_batching(trainer_cls: type) -> type:
     """A subclass of ``trainer_cls`` (TRL's ``DPOTrainer`` or a subclass) with the DPO overrides."""
-    if issubclass(trainer_cls, DPOSmartBatchingMixin):
-        return trainer_cls
-    if trainer_cls not in _MIXED:
-        # Pairs take no batch_schedule or oom_backoff, so the adaptive step (AdaptiveMixin.training_step)
-        # is left out: the trainer's own training_step runs (TRL's keeps its activation-offloading context).
-        _MIXED[trainer_cls] = type(
-            f"SmartBatching{trainer_cls.__name__}",
-            (DPOSmartBatchingMixin, trainer_cls),
-            {"training_step": trainer_cls.training_step},
-        )
-    return _MIXED[trainer_cls]
+    # Pairs take no batch_schedule or oom_backoff, so the adaptive step (AdaptiveMixin.training_step) is
+    # left out: the trainer's own training_step runs (TRL's keeps its activation-offloading context).
+    return mixed_class(DPOSmartBatchingMixin, trainer_cls, {"training_step": trainer_cls.training_step})
 
 
 def apply_dpo_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **options: Any) -> Any:

@@ -35,7 +35,7 @@ import torch
 from smart_batching import compat
 from smart_batching.attention.prefix_sharing import PREFIX_SHARED_ATTENTION, enable_prefix_shared_attention
 from smart_batching.errors import ConfigError
-from smart_batching.hf.adapter import Accepts, refuse_overlong, split_options
+from smart_batching.hf.adapter import Accepts, mixed_class, refuse_overlong, split_options
 from smart_batching.hf.grpo.rows import Completions, chunk_rows
 from smart_batching.hf.grpo.upstream import COMPLETIONS, resolve_grpo_upstream
 from smart_batching.planners import FASTEST_STRATEGY, make_spec, plan_batches
@@ -221,14 +221,12 @@ class GRPOSmartBatchingMixin:
                 targets.append(row["target"] + int(chunk[0]) * width)
                 state.num_forwards += 1
                 state.num_tokens += int(row["input_ids"].shape[1])
-        index = torch.cat(targets)
-        shape = (input_ids.shape[0], width)
-
-        def scatter(values: list[torch.Tensor]) -> torch.Tensor:
-            flat = torch.cat(values)
-            return flat.new_zeros(shape[0] * shape[1]).index_put((index,), flat).view(shape)
-
-        return scatter(logps), scatter(entropies) if compute_entropy else None, None
+        index, shape = torch.cat(targets), (input_ids.shape[0], width)
+        return (
+            _scatter(logps, index, shape),
+            _scatter(entropies, index, shape) if compute_entropy else None,
+            None,
+        )
 
     def _sb_budget(
         self,
@@ -264,14 +262,12 @@ class GRPOSmartBatchingMixin:
             cols.append(torch.arange(c, device=index.device).repeat(len(members)))
             state.num_forwards += 1
             state.num_tokens += len(members) * (p + c)
-        where = (torch.cat(rows), torch.cat(cols))
-        shape = (input_ids.shape[0], width)
-
-        def scatter(values: list[torch.Tensor]) -> torch.Tensor:
-            flat = torch.cat(values)
-            return flat.new_zeros(shape).index_put(where, flat)
-
-        return scatter(logps), scatter(entropies) if compute_entropy else None, None
+        index, shape = torch.cat(rows) * width + torch.cat(cols), (input_ids.shape[0], width)
+        return (
+            _scatter(logps, index, shape),
+            _scatter(entropies, index, shape) if compute_entropy else None,
+            None,
+        )
 
     def _sb_check_attention(self, model: Any) -> None:
         impl = getattr(
@@ -285,18 +281,16 @@ class GRPOSmartBatchingMixin:
             )
 
 
-_MIXED: dict[type, type] = {}
+def _scatter(values: list[torch.Tensor], index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``values`` (per-token results, concatenated) at the flat positions ``index`` of a zero ``shape``
+    tensor: TRL's ``(completions, logits_to_keep)`` layout, 0 where no completion token is."""
+    flat = torch.cat(values)
+    return flat.new_zeros(shape[0] * shape[1]).index_put((index,), flat).view(shape)
 
 
 def with_grpo_smart_batching(trainer_cls: type) -> type:
     """A subclass of ``trainer_cls`` (TRL's ``GRPOTrainer`` or a subclass) with the GRPO overrides."""
-    if issubclass(trainer_cls, GRPOSmartBatchingMixin):
-        return trainer_cls
-    if trainer_cls not in _MIXED:
-        _MIXED[trainer_cls] = type(
-            f"SmartBatching{trainer_cls.__name__}", (GRPOSmartBatchingMixin, trainer_cls), {}
-        )
-    return _MIXED[trainer_cls]
+    return mixed_class(GRPOSmartBatchingMixin, trainer_cls)
 
 
 def apply_grpo_smart_batching(trainer: Any, strategy: Any = FASTEST_STRATEGY, **options: Any) -> Any:

@@ -12,23 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from smart_batching import compat
-from smart_batching.hf.adapter import TrainerKind, split_options
+from smart_batching.hf.adapter import TrainerKind, mixed_class, split_options
 from smart_batching.hf.trainer import SmartBatchingMixin
 from smart_batching.planners import DEFAULT_STRATEGY
-
-_MIXED: dict[type, type] = {}
 
 
 def with_trainer_smart_batching(trainer_cls: type) -> type:
     """A subclass of ``trainer_cls`` (a ``Trainer``, e.g. TRL's ``SFTTrainer``) with the smart-batching
     overrides; the class itself when it has them already."""
-    if issubclass(trainer_cls, SmartBatchingMixin):
-        return trainer_cls
-    if trainer_cls not in _MIXED:
-        _MIXED[trainer_cls] = type(
-            f"SmartBatching{trainer_cls.__name__}", (SmartBatchingMixin, trainer_cls), {}
-        )
-    return _MIXED[trainer_cls]
+    return mixed_class(SmartBatchingMixin, trainer_cls)
 
 
 def apply_trainer_smart_batching(trainer: Any, strategy: Any = DEFAULT_STRATEGY, **options: Any) -> Any:
