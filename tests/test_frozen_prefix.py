@@ -139,3 +139,17 @@ def test_packed_held_out_rows_give_the_padded_loss_and_put_the_attention_back():
     # The same batch numbers padded are other inputs: recomputed, not replayed from the packed rows.
     assert _loss(model, data, cache) == pytest.approx(_loss(model, data), rel=1e-6)
     assert cache.num_filled == 6
+
+
+def test_a_copy_sent_to_another_process_starts_empty_and_works():
+    """The bench context goes to torchrun ranks by pickle (``make demo``'s 2-process run): the cache's
+    weak references to this process's models cannot travel, and its hidden states need not."""
+    import pickle
+
+    model, data, cache = _llama().eval(), _held_out(), FrozenPrefixCache()
+    _loss(model, data, cache)
+    assert cache.entries and cache.num_filled == 3
+    sent = pickle.loads(pickle.dumps(cache))
+    assert (sent.entries, sent.num_filled, sent.num_reused, sent.start) == ({}, 0, 0, None)
+    assert _loss(model, data, sent) == _loss(model, data) and sent.num_filled == 3
+    assert cache.num_filled == 3 and len(cache.entries) == 3  # the original keeps what it recorded

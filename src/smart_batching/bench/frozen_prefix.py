@@ -90,6 +90,15 @@ class FrozenPrefixCache:
             weakref.WeakKeyDictionary()
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The cache belongs to the process that fills it: a copy sent to another process (the bench context
+        # handed to torchrun ranks, which never evaluate) starts empty, without the recorded hidden states
+        # and without the weak references to this process's models, which cannot be pickled.
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
     def _prefix(self, model: Any) -> int:
         """The first trained layer of ``model`` when its prefix can be kept (the cache emptied when its
         frozen weights differ from the recorded ones), else 0."""
