@@ -184,14 +184,24 @@ def _history(trainer):
             for h in trainer.state.log_history]  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", ["packed", "token_budget"])
-def test_a_training_run_logs_what_trl_alone_logs(model_dir, strategy):
-    """Two optimizer steps of 2 accumulated micro-batches each (TRL's shuffle and split of the generation
+@pytest.mark.parametrize(
+    ("strategy", "config"),
+    [
+        ("packed", {}),
+        ("token_budget", {}),
+        # each generation batch trained on twice: the old policy's log-probabilities come from our forward
+        ("packed", {"num_iterations": 2, "max_steps": 4}),
+    ],
+    ids=["packed", "token_budget", "packed-num_iterations-2"],
+)
+def test_a_training_run_logs_what_trl_alone_logs(model_dir, strategy, config):
+    """Optimizer steps of 2 accumulated micro-batches each (TRL's shuffle and split of the generation
     batch, the dapo loss normalised over the generation batch's tokens): the same log history and weights."""
+    settings = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
+                "loss_type": "dapo", **config}  # fmt: skip
     runs = []
     for smart in (False, True):
-        trainer = G.grpo_trainer(model_dir, DATA, max_steps=2, gradient_accumulation_steps=2,
-                                 per_device_train_batch_size=4, loss_type="dapo")  # fmt: skip
+        trainer = G.grpo_trainer(model_dir, DATA, **settings)
         if smart:
             apply_smart_batching(
                 trainer, strategy, **({"max_tokens": 60} if strategy == "token_budget" else {})
@@ -200,7 +210,7 @@ def test_a_training_run_logs_what_trl_alone_logs(model_dir, strategy):
         runs.append(trainer)
     alone, ours = runs
     want, got = _history(alone), _history(ours)
-    assert len(want) == len(got) == 3 and "clip_ratio/region_mean" in want[0]
+    assert len(want) == len(got) == settings["max_steps"] + 1 and "clip_ratio/region_mean" in want[0]
     for w, g in zip(want, got, strict=True):
         assert set(w) == set(g)
         for key in w:

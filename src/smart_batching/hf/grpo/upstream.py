@@ -28,7 +28,7 @@ GRPO_OPTIONS: tuple[UpstreamOption, ...] = (
     UpstreamOption(GRPO, "num_iterations / steps_per_generation / gradient_accumulation_steps",
         "Honoured: TRL's buffering, shuffle and split of the generation batch stay; the old policy's "
         "log-probabilities, where TRL computes them, are computed the same way (tested with "
-        "steps_per_generation=2 and gradient_accumulation_steps=2; num_iterations > 1 not tested)."),
+        "steps_per_generation=2, gradient_accumulation_steps=2 and num_iterations=2)."),
     UpstreamOption(GRPO, "importance_sampling_level / epsilon / epsilon_high / delta / top_entropy_quantile",
         "Honoured: read by TRL's loss code on our log-probabilities and entropies (tested equal to TRL's; "
         "the sequence level under luspo, the token level otherwise; `delta`, `top_entropy_quantile` not "
