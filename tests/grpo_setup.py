@@ -52,9 +52,10 @@ def save_model(folder: str | None = None) -> str:
     return folder
 
 
-def grpo_trainer(model_dir: str, data, **config):
-    """TRL's ``GRPOTrainer`` on the saved tiny Llama (CPU, fp32), its policy nudged away from the
-    reference (so the KL term and the ratios are not trivial)."""
+def grpo_trainer(model_dir: str, data, *, trainer: str = "GRPOTrainer", **config):
+    """TRL's ``GRPOTrainer`` (or ``trainer="RLOOTrainer"``, whose config has no ``loss_type``) on the saved
+    tiny Llama (CPU, fp32), its policy nudged away from the reference (so the KL term and the ratios are not
+    trivial)."""
     import trl
 
     base = dict(
@@ -64,12 +65,13 @@ def grpo_trainer(model_dir: str, data, **config):
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = trl.GRPOTrainer(
-            model=model_dir, reward_funcs=reward, args=trl.GRPOConfig(**{**base, **config}), train_dataset=data,
+        cls, config_cls = getattr(trl, trainer), getattr(trl, trainer.replace("Trainer", "Config"))
+        made = cls(
+            model=model_dir, reward_funcs=reward, args=config_cls(**{**base, **config}), train_dataset=data,
             processing_class=EX.word_tokenizer(),
         )  # fmt: skip
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
-        for p in trainer.model.parameters():
+        for p in made.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    return trainer
+    return made

@@ -697,5 +697,12 @@ def test_trl_grpo_trainer_is_recognised_and_its_log_prob_method_read():
     init = inspect.getsource(trl.GRPOTrainer.__init__)
     for name in compat.TRL_GRPO_ATTRIBUTES:
         assert f"self.{name} =" in init, name
+    # RLOOTrainer: the same training pass, so the same kind (its own copy of the method, the same code)
+    rloo = type("MyRLOOTrainer", (trl.RLOOTrainer,), {})
+    assert compat.is_trl_grpo_trainer(trl.RLOOTrainer) and compat.is_trl_grpo_trainer(rloo)
+    assert inspect.getsource(trl.RLOOTrainer._get_per_token_logps_and_entropies) == source
+    rloo_init = inspect.getsource(trl.RLOOTrainer.__init__)
+    for name in compat.TRL_GRPO_ATTRIBUTES:
+        assert f"self.{name} =" in rloo_init, name
     # an object without the method or attributes lacks them all
     assert len(compat.missing_trl_grpo_attributes(object())) == len(compat.TRL_GRPO_ATTRIBUTES) + 1

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
+from smart_batching import compat  # noqa: E402
 from smart_batching.errors import ConfigError, OverlongError  # noqa: E402
 from smart_batching.hf import (  # noqa: E402
     apply_smart_batching,
@@ -174,16 +175,26 @@ def test_an_unknown_kind_is_refused_with_the_kinds_there_are():
             assert name in str(err.value)
 
 
-@pytest.mark.parametrize("name", [n for n in ("RLOOTrainer",) if hasattr(trl, n)])
-def test_trl_online_trainers_are_refused_by_name(name):
-    """TRL's RLOOTrainer subclasses Trainer but trains on completions it generates: no kind plans it yet
-    (GRPOTrainer has its own), so it is refused by name (a subclass too) instead of being planned as a
+def test_rloo_trainer_is_the_grpo_kind():
+    """TRL's RLOOTrainer (and a subclass) subclasses Trainer but trains on completions it generates, scored
+    by the same method as GRPOTrainer's: it takes the GRPOTrainer kind, never the Trainer kind's plan of a
     dataset of examples."""
-    online = getattr(trl, name)
-    mine = type(f"My{name}", (online,), {})
-    assert transformers.Trainer in online.__mro__  # what would otherwise make it the Trainer kind
-    for cls in (online, mine):
-        with pytest.raises(ConfigError, match=f"TRL's {name} trains on completions it generates") as err:
+    mine = type("MyRLOOTrainer", (trl.RLOOTrainer,), {})
+    assert transformers.Trainer in trl.RLOOTrainer.__mro__  # what would otherwise make it the Trainer kind
+    for cls in (trl.RLOOTrainer, mine):
+        assert kinds.kind_of(cls).name == "GRPOTrainer"
+        made = with_smart_batching(cls)
+        assert made.__name__ == f"SmartBatching{cls.__name__}" and issubclass(made, cls)
+
+
+def test_a_trl_online_trainer_no_kind_plans_is_refused_by_name(monkeypatch):
+    """An online TRL trainer that no kind plans is refused by name (a subclass too) instead of being planned
+    as a dataset of examples. TRL 1.16 has none left (GRPOTrainer and RLOOTrainer have their kind), so
+    TRL's KTOTrainer stands in: listed as online, it must leave the Trainer kind."""
+    monkeypatch.setattr(compat, "TRL_ONLINE_TRAINERS", (*compat.TRL_ONLINE_TRAINERS, "KTOTrainer"))
+    mine = type("MyKTOTrainer", (trl.KTOTrainer,), {})
+    for cls in (trl.KTOTrainer, mine):
+        with pytest.raises(ConfigError, match="TRL's KTOTrainer trains on completions it generates") as err:
             with_smart_batching(cls)
         for kind in kinds.kind_names():
             assert kind in str(err.value)

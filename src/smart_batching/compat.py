@@ -1054,14 +1054,20 @@ smart batching replaces: TRL calls it for the policy, the old policy and the ref
 ``(B, prompt_width + logits_to_keep)`` batch (prompts left-padded, completions right-padded) and reads
 ``(B, logits_to_keep)`` log-probabilities and entropies back."""
 
-TRL_GRPO_ATTRIBUTES = ("ref_model", "aux_loss_enabled", "loss_type", "num_generations", "_metrics", "_is_vlm")
-"""``GRPOTrainer`` attributes smart batching reads (or that TRL's loss code reads beside it)."""
+TRL_GRPO_ATTRIBUTES = ("ref_model", "aux_loss_enabled", "num_generations", "_metrics", "_is_vlm")
+"""``GRPOTrainer`` / ``RLOOTrainer`` attributes smart batching reads (or that TRL's loss code reads beside
+it)."""
+
+TRL_GRPO_SHAPED_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+"""TRL's online trainers whose training pass is GRPO's: each generates ``num_generations`` completions per
+prompt and scores them through its own copy of ``_get_per_token_logps_and_entropies`` (the same code and
+signature in TRL 1.16), for the policy, the old policy and the reference model."""
 
 
 def is_trl_grpo_trainer(trainer: Any) -> bool:
-    """``trainer`` is TRL's ``GRPOTrainer``, a subclass or an instance of one; TRL is not imported if it is
-    not loaded."""
-    return is_loaded_subclass(trainer, "trl", "GRPOTrainer")
+    """``trainer`` is TRL's ``GRPOTrainer`` or ``RLOOTrainer`` (:data:`TRL_GRPO_SHAPED_TRAINERS`), a subclass
+    or an instance of one; TRL is not imported if it is not loaded."""
+    return any(is_loaded_subclass(trainer, "trl", name) for name in TRL_GRPO_SHAPED_TRAINERS)
 
 
 def missing_trl_grpo_attributes(trainer: Any) -> list[str]:

@@ -219,6 +219,40 @@ def test_a_training_run_logs_what_trl_alone_logs(model_dir, strategy, config):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["packed", "token_budget"])
+def test_an_rloo_training_run_logs_what_trl_alone_logs(model_dir, strategy):
+    """TRL's RLOOTrainer, the same kind (its training pass is GRPO's method): two optimizer steps of 2
+    accumulated micro-batches, the old policy and the reference model (``beta``'s KL in the reward) through
+    our forward too; the same log history (rewards, KL, clip ratios, entropy, loss, grad norm) and weights."""
+    settings = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
+                "num_iterations": 2}  # fmt: skip
+    runs = []
+    for smart in (False, True):
+        trainer = G.grpo_trainer(model_dir, DATA, trainer="RLOOTrainer", **settings)
+        if smart:
+            apply_smart_batching(
+                trainer, strategy, **({"max_tokens": 60} if strategy == "token_budget" else {})
+            )
+            assert type(trainer).__name__ == "SmartBatchingRLOOTrainer", type(trainer).__name__
+        trainer.train()
+        runs.append(trainer)
+    alone, ours = runs
+    if strategy == "packed":
+        assert ours.smart_batching.num_tokens < ours.smart_batching.num_trl_tokens  # the prompts ran once
+    want, got = _history(alone), _history(ours)
+    assert len(want) == len(got) == settings["max_steps"] + 1 and "kl" in want[0] and "entropy" in want[0]
+    for w, g in zip(want, got, strict=True):
+        assert set(w) == set(g)
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    # Adam moves a weight by about lr x m / sqrt(v) whatever the gradient's size, so a gradient entry at
+    # rounding level (summation order) can move its weight by a share of lr (1e-3): seen once, 1 entry of
+    # 8192 at 5e-5. A wrong log-probability would move the history above and most weights.
+    for p, q in zip(alone.model.parameters(), ours.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-4)
+        assert (q - p).abs().gt(1e-6).float().mean() < 1e-3
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 

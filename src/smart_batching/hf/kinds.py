@@ -5,8 +5,8 @@
 kind               adapter
 =================  ======================================================================================
 ``DPOTrainer``     :mod:`smart_batching.hf.dpo`: TRL's ``DPOTrainer``, preference pairs as units
-``GRPOTrainer``    :mod:`smart_batching.hf.grpo`: TRL's ``GRPOTrainer``, generated completions grouped by
-                   prompt as units
+``GRPOTrainer``    :mod:`smart_batching.hf.grpo`: TRL's ``GRPOTrainer`` and ``RLOOTrainer``, generated
+                   completions grouped by prompt as units
 ``Trainer``        :mod:`smart_batching.hf.sft`: transformers' ``Trainer`` and its subclasses (TRL's
                    ``SFTTrainer``, yours), examples as units
 =================  ======================================================================================

@@ -1,5 +1,6 @@
-"""The ``GRPOTrainer`` kind: TRL's ``GRPOTrainer`` (and its subclasses), whose units are the completions it
-generates, grouped by prompt.
+"""The ``GRPOTrainer`` kind: TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (and their subclasses), whose units
+are the completions they generate, grouped by prompt (both score them with the same
+``_get_per_token_logps_and_entropies``, the one method this kind replaces).
 
 ::
 
@@ -32,7 +33,10 @@ from smart_batching.hf.grpo.upstream import COMPLETIONS, REFUSALS
 
 GRPO = TrainerKind(
     name="GRPOTrainer",
-    description="TRL's GRPOTrainer and its subclasses: generated completions, grouped by prompt, are the units",
+    description=(
+        "TRL's GRPOTrainer and RLOOTrainer and their subclasses: generated completions, grouped by prompt, "
+        "are the units"
+    ),
     recognises=compat.is_trl_grpo_trainer,
     apply=apply_grpo_smart_batching,
     with_class=with_grpo_smart_batching,

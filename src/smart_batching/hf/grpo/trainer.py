@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` with its training pass planned by tokens (the kind's mixin).
+"""TRL's ``GRPOTrainer`` (or ``RLOOTrainer``) with its training pass planned by tokens (the kind's mixin).
 
 ::
 
@@ -101,7 +101,7 @@ class GRPOSmartBatchingMixin:
         missing = compat.missing_trl_grpo_attributes(self)
         if missing:
             raise ConfigError(
-                f"this GRPOTrainer has no {', '.join(missing)}, which smart batching reads: install the tested "
+                f"this {type(self).__name__} has no {', '.join(missing)}, which smart batching reads: install the tested "
                 "TRL (docs/getting-started.md, 'Versions')"
             )
         options = resolve_grpo_upstream(self, strategy, dict(strategy_options or {}))
@@ -289,7 +289,8 @@ def _scatter(values: list[torch.Tensor], index: torch.Tensor, shape: tuple[int, 
 
 
 def with_grpo_smart_batching(trainer_cls: type) -> type:
-    """A subclass of ``trainer_cls`` (TRL's ``GRPOTrainer`` or a subclass) with the GRPO overrides."""
+    """A subclass of ``trainer_cls`` (TRL's ``GRPOTrainer``, ``RLOOTrainer`` or a subclass) with the GRPO
+    overrides."""
     return mixed_class(GRPOSmartBatchingMixin, trainer_cls)
 
 

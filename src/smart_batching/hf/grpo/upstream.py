@@ -43,6 +43,12 @@ GRPO_OPTIONS: tuple[UpstreamOption, ...] = (
         "Honoured (on by default in GRPOConfig; the conformance tests run with it)."),
     UpstreamOption(GRPO, "use_vllm / use_transformers_paged / generation_kwargs",
         "Generation stays TRL's. vLLM is not installed here: not tested."),
+    UpstreamOption("RLOOTrainer", "RLOOConfig",
+        "The same kind: RLOO's training pass calls the same `_get_per_token_logps_and_entropies` (policy, old "
+        "policy, and the reference model for `beta`'s KL in the reward), planned the same way; its "
+        "sequence-level clipped loss, leave-one-out advantages and metrics stay TRL's (tested: training runs "
+        "under `packed` and `token_budget` log TRL alone's history and end with its weights). The rows below "
+        "hold for it where RLOOConfig has the option (it has no `loss_type`)."),
     UpstreamOption(GRPO, "router_aux_loss_coef",
         "Refused for a model that adds a router auxiliary loss (TRL averages it over its own chunks of "
         "padded rows)."),

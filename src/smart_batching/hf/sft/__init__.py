@@ -43,8 +43,8 @@ def _recognises(trainer: Any) -> bool:
 TRAINER = TrainerKind(
     name="Trainer",
     description=(
-        "transformers.Trainer and its subclasses (TRL's SFTTrainer, yours; not TRL's online trainers such as "
-        "RLOOTrainer): examples are the units"
+        "transformers.Trainer and its subclasses (TRL's SFTTrainer, yours; not TRL's online trainers, which "
+        "generate their own completions): examples are the units"
     ),
     recognises=_recognises,
     apply=apply_trainer_smart_batching,
