@@ -11,6 +11,10 @@
 #   env      versions (torch, CUDA, GPU, transformers, TRL, accelerate, flash-attn, torch varlen)
 #            -> env.json
 #   tests    the CUDA tier: pytest -m cuda tests/cuda (150 s) -> cuda_tests.xml, cuda_tests.log
+#   cpu      beside it, on the other half of the cores with the GPU hidden: the tests whose result
+#            depends on the CPU's bf16 ability (each under the three forced paths) on the host's CPU,
+#            which may have native bf16 (issue 33) (150 s) -> its flags and closing line in the
+#            stage's note, its log appended to cuda_tests.log
 #   bench    benchmarks/gpu_train.py (300 s) -> gpu.jsonl, gpu_bench.log
 #   summary  benchmarks/gpu_summary.py -> summary.md
 # setup.log holds the wheel install's and the env stage's output. Eight files in all.
@@ -94,7 +98,35 @@ fi
 # 2. env
 stage env 60 "$OUT/setup.log" "$PY" benchmarks/gpu_train.py --env "$OUT/env.json"
 
-# 3. the CUDA tier
+# 3. the CUDA tier, and beside it the CPU tier on the host's CPU
+CPU_TESTS=(tests/test_precision.py tests/conformance/test_precision_vs_trl.py
+           tests/conformance/test_upstream_options.py tests/test_attention.py tests/test_bench.py tests/test_compat.py)
+cpu_tier() {
+    local log="$OUT/.cpu_tests.log" t0 rc status note flags model cores pin=() xdist=()
+    t0=$(date +%s)
+    flags=$(grep -o -w -E 'avx512_bf16|amx_bf16|amx_tile|avx512f|avx2' /proc/cpuinfo 2>/dev/null | sort -u | tr '\n' ' ')
+    model=$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//' | tr -d '"\\')
+    cores=$(nproc)
+    [ "$cores" -ge 4 ] && pin=(taskset -c "$((cores / 2))-$((cores - 1))")
+    "$PY" -c "import xdist" 2>/dev/null && [ "$cores" -ge 8 ] && xdist=(-n 4)
+    local args=(-p no:cacheprovider -q "${CPU_TESTS[@]}")
+    [ "$DRY" = 1 ] && args+=(--collect-only) && xdist=()
+    CUDA_VISIBLE_DEVICES="" timeout -k 10 "$1" "${pin[@]}" "$PY" -m pytest "${xdist[@]}" "${args[@]}" > "$log" 2>&1
+    rc=$?
+    status=ok
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=timeout; elif [ "$rc" -ne 0 ]; then status=failed; fi
+    note="host CPU: ${model:-unknown}, ${cores} cores; flags: ${flags:-none}; $(grep -E '(passed|failed|error|tests? collected)' "$log" | tail -n 1 | tr -d '"\\=' | sed 's/^ *//' | cut -c1-200)"
+    record cpu "$status" "$rc" $(($(date +%s) - t0)) "$note"
+}
+CPU_BUDGET=$(( $(left) - 15 ))
+[ "$CPU_BUDGET" -gt 150 ] && CPU_BUDGET=150
+if [ "$CPU_BUDGET" -gt 5 ]; then
+    cpu_tier "$CPU_BUDGET" &
+    CPU_PID=$!
+else
+    record cpu skipped 0 0 "deadline: $(left) s left of ${DEADLINE} s"
+    CPU_PID=""
+fi
 if [ -d tests/cuda ]; then
     if [ "$DRY" = 1 ]; then
         stage tests 150 "$OUT/cuda_tests.log" "$PY" -m pytest -m cuda tests/cuda -rA -p no:cacheprovider \
@@ -105,6 +137,12 @@ if [ -d tests/cuda ]; then
     fi
 else
     record tests skipped 0 0 "no tier: tests/cuda absent in this tree"
+fi
+
+[ -n "$CPU_PID" ] && wait "$CPU_PID"
+if [ -e "$OUT/.cpu_tests.log" ]; then  # at most eight files come back: the CPU tier's log joins the CUDA tier's
+    { echo; echo "== CPU tier on the host CPU (CUDA_VISIBLE_DEVICES=''): ${CPU_TESTS[*]}"; cat "$OUT/.cpu_tests.log"; } >> "$OUT/cuda_tests.log"
+    rm -f "$OUT/.cpu_tests.log"
 fi
 
 # 4. the GPU benchmark

@@ -34,7 +34,12 @@ def test_device_check_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = {s["stage"]: s for s in map(json.loads, (out / "stages.jsonl").read_text().splitlines())}
-    assert set(stages) >= {"wheels", "env", "tests", "bench"}, stages
+    assert set(stages) >= {"wheels", "env", "tests", "cpu", "bench"}, stages
+    # the CPU tier (collected only in the dry run) names the host CPU, its bf16 flags and its closing line
+    assert stages["cpu"]["status"] == "ok", (out / "cuda_tests.log").read_text()[-3000:]
+    assert "host CPU:" in stages["cpu"]["note"] and "flags:" in stages["cpu"]["note"], stages["cpu"]
+    assert "collected" in stages["cpu"]["note"], stages["cpu"]
+    assert "== CPU tier on the host CPU" in (out / "cuda_tests.log").read_text()
     bundle = sorted((REPO / ".device-bundle" / "wheels").glob("*.whl"))
     if bundle:
         assert stages["wheels"]["status"] == "ok", stages["wheels"]
