@@ -184,6 +184,31 @@ def _history(trainer):
             for h in trainer.state.log_history]  # fmt: skip
 
 
+def _trained_alone_and_ours(model_dir, strategy, **settings):
+    """The same GRPO-shaped trainer (``settings`` as for :func:`grpo_setup.grpo_trainer`) trained alone and
+    after ``apply_smart_batching(trainer, strategy)``."""
+    runs = []
+    for smart in (False, True):
+        trainer = G.grpo_trainer(model_dir, DATA, **settings)
+        if smart:
+            apply_smart_batching(
+                trainer, strategy, **({"max_tokens": 60} if strategy == "token_budget" else {})
+            )
+        trainer.train()
+        runs.append(trainer)
+    return runs
+
+
+def _assert_same_history(alone, ours, steps):
+    want, got = _history(alone), _history(ours)
+    assert len(want) == len(got) == steps + 1
+    for w, g in zip(want, got, strict=True):
+        assert set(w) == set(g)
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    return want
+
+
 @pytest.mark.parametrize(
     ("strategy", "config"),
     [
@@ -199,22 +224,9 @@ def test_a_training_run_logs_what_trl_alone_logs(model_dir, strategy, config):
     batch, the dapo loss normalised over the generation batch's tokens): the same log history and weights."""
     settings = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
                 "loss_type": "dapo", **config}  # fmt: skip
-    runs = []
-    for smart in (False, True):
-        trainer = G.grpo_trainer(model_dir, DATA, **settings)
-        if smart:
-            apply_smart_batching(
-                trainer, strategy, **({"max_tokens": 60} if strategy == "token_budget" else {})
-            )
-        trainer.train()
-        runs.append(trainer)
-    alone, ours = runs
-    want, got = _history(alone), _history(ours)
-    assert len(want) == len(got) == settings["max_steps"] + 1 and "clip_ratio/region_mean" in want[0]
-    for w, g in zip(want, got, strict=True):
-        assert set(w) == set(g)
-        for key in w:
-            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    alone, ours = _trained_alone_and_ours(model_dir, strategy, **settings)
+    want = _assert_same_history(alone, ours, settings["max_steps"])
+    assert "clip_ratio/region_mean" in want[0]
     for p, q in zip(alone.model.parameters(), ours.model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
 
@@ -226,25 +238,12 @@ def test_an_rloo_training_run_logs_what_trl_alone_logs(model_dir, strategy):
     our forward too; the same log history (rewards, KL, clip ratios, entropy, loss, grad norm) and weights."""
     settings = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
                 "num_iterations": 2}  # fmt: skip
-    runs = []
-    for smart in (False, True):
-        trainer = G.grpo_trainer(model_dir, DATA, trainer="RLOOTrainer", **settings)
-        if smart:
-            apply_smart_batching(
-                trainer, strategy, **({"max_tokens": 60} if strategy == "token_budget" else {})
-            )
-            assert type(trainer).__name__ == "SmartBatchingRLOOTrainer", type(trainer).__name__
-        trainer.train()
-        runs.append(trainer)
-    alone, ours = runs
+    alone, ours = _trained_alone_and_ours(model_dir, strategy, trainer="RLOOTrainer", **settings)
+    assert type(ours).__name__ == "SmartBatchingRLOOTrainer", type(ours).__name__
     if strategy == "packed":
         assert ours.smart_batching.num_tokens < ours.smart_batching.num_trl_tokens  # the prompts ran once
-    want, got = _history(alone), _history(ours)
-    assert len(want) == len(got) == settings["max_steps"] + 1 and "kl" in want[0] and "entropy" in want[0]
-    for w, g in zip(want, got, strict=True):
-        assert set(w) == set(g)
-        for key in w:
-            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    want = _assert_same_history(alone, ours, settings["max_steps"])
+    assert "kl" in want[0] and "entropy" in want[0]
     # Adam moves a weight by about lr x m / sqrt(v) whatever the gradient's size, so a gradient entry at
     # rounding level (summation order) can move its weight by a share of lr (1e-3): seen once, 1 entry of
     # 8192 at 5e-5. A wrong log-probability would move the history above and most weights.
