@@ -704,5 +704,12 @@ def test_trl_grpo_trainer_is_recognised_and_its_log_prob_method_read():
     rloo_init = inspect.getsource(trl.RLOOTrainer.__init__)
     for name in compat.TRL_GRPO_ATTRIBUTES:
         assert f"self.{name} =" in rloo_init, name
+    # balance_ranks: both buffer a generation batch as steps_per_generation micro-batches, indexed by _step
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        prepare = inspect.getsource(cls._prepare_inputs)
+        assert "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare, cls
+        assert "self._buffered_inputs[self._step % self.args.steps_per_generation]" in prepare, cls
+    for name in compat.TRL_GRPO_LOSS_ATTRIBUTES:  # what says whether the loss depends on the split
+        assert f"self.{name} =" in init, name
     # an object without the method or attributes lacks them all
     assert len(compat.missing_trl_grpo_attributes(object())) == len(compat.TRL_GRPO_ATTRIBUTES) + 1

@@ -35,3 +35,23 @@ def test_grpo_train_benchmark_quick(one_thread):
     trl = {r["dataset"]: r for r in records if r["strategy"] == "trl"}
     for name in packed:  # each prompt once per group, no padding
         assert packed[name]["model_tokens"] < trl[name]["model_tokens"]
+
+
+def test_grpo_rank_balance_benchmark():
+    """benchmarks/grpo_rank_balance.py: every token kept, the balanced deal no more uneven than TRL's on
+    every world size, and TRL's deal of whole prompt groups uneven at all (else nothing was measured)."""
+    spec = importlib.util.spec_from_file_location(
+        "grpo_rank_balance", ROOT / "benchmarks" / "grpo_rank_balance.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if not bench.GSM8K.is_file():
+        pytest.skip(f"{bench.GSM8K} is absent")
+    records = bench.main(["--worlds", "2,4", "--steps", "20", "--json"])
+    assert [r["world"] for r in records] == [2, 4]
+    for r in records:
+        assert r["tokens_equal"]
+        assert 1.0 <= r["balanced"]["imbalance"] <= r["trl"]["imbalance"]
+        assert r["balanced"]["worst_step"] <= r["trl"]["worst_step"]
+        assert r["trl"]["imbalance"] > 1.01
+    assert "| 2 | 32 |" in bench.table(records)

@@ -1054,9 +1054,16 @@ smart batching replaces: TRL calls it for the policy, the old policy and the ref
 ``(B, prompt_width + logits_to_keep)`` batch (prompts left-padded, completions right-padded) and reads
 ``(B, logits_to_keep)`` log-probabilities and entropies back."""
 
-TRL_GRPO_ATTRIBUTES = ("ref_model", "aux_loss_enabled", "num_generations", "_metrics", "_is_vlm")
+TRL_GRPO_ATTRIBUTES = (
+    "ref_model", "aux_loss_enabled", "num_generations", "_metrics", "_is_vlm", "_buffered_inputs", "_step",
+)  # fmt: skip
 """``GRPOTrainer`` / ``RLOOTrainer`` attributes smart batching reads (or that TRL's loss code reads beside
-it)."""
+it): ``_buffered_inputs`` holds the micro-batches of a generation batch, ``_step`` counts them."""
+
+TRL_GRPO_LOSS_ATTRIBUTES = ("loss_type", "top_entropy_quantile", "_entropy_bonus_enabled")
+"""``GRPOTrainer`` attributes that say whether its loss depends on how an optimizer step's completions are
+split into micro-batches (read by :func:`smart_batching.hf.grpo.ranks.partition_dependence`; ``RLOOTrainer``
+has none of them: its loss is a mean over completions)."""
 
 TRL_GRPO_SHAPED_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 """TRL's online trainers whose training pass is GRPO's: each generates ``num_generations`` completions per

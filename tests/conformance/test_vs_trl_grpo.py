@@ -271,6 +271,39 @@ def test_what_cannot_be_kept_is_refused_by_name(model_dir, config, strategy, opt
     assert type(trainer) is cls and not hasattr(trainer, "smart_batching")  # nothing changed
 
 
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"loss_type": "bnpo"}, "loss_type='bnpo' divides each micro-batch"),
+        ({"top_entropy_quantile": 0.5}, "top_entropy_quantile < 1"),
+        ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation=3"),
+    ],
+)
+def test_balance_ranks_true_is_refused_where_it_would_change_the_gradient(model_dir, config, words):
+    trainer = G.grpo_trainer(model_dir, DATA, **config)
+    with pytest.raises(
+        ConfigError, match=f"balance_ranks=True would change the gradient: {re.escape(words)}"
+    ):
+        apply_smart_batching(trainer, "packed", balance_ranks=True)
+    assert not hasattr(trainer, "smart_batching")
+
+
+def test_balance_ranks_on_one_process_changes_nothing(model_dir):
+    """One rank: nothing to deal, whatever the loss, and no warning (bnpo under "auto")."""
+    import warnings
+
+    for config, balance in (({}, True), ({"loss_type": "bnpo"}, "auto")):
+        trainer = G.grpo_trainer(model_dir, DATA, **config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply_smart_batching(trainer, "packed", balance_ranks=balance)
+        assert not [w for w in caught if "balance" in str(w.message)]
+        state = trainer.smart_batching
+        assert not state.balance_ranks and state.balance_off is None
+    trainer.train()
+    assert state.balanced_steps == 0 and state.num_forwards > 0
+
+
 def test_a_completion_over_the_budget_is_refused_with_advice(model_dir):
     trainer = G.grpo_trainer(model_dir, DATA)
     apply_smart_batching(trainer, "packed", capacity=8)  # 7 prompt tokens + a completion do not fit
@@ -286,43 +319,114 @@ def test_docs_show_the_grpo_table():
         )
 
 
-@pytest.mark.slow
-def test_two_gloo_ranks_log_what_trl_alone_logs(model_dir, tmp_path):
-    """2 processes (torchrun, gloo, DDP through TRL's trainer): TRL alone, ``packed`` and ``token_budget``
-    runs log the same history (every metric gathered across ranks) and end with the same weights."""
+PER_MICRO_BATCH = ("kl", "entropy", "clip_ratio/")
+"""Metrics TRL averages per micro-batch (a mean over the micro-batch's tokens or completions, gathered
+across ranks, then over the micro-batches): balance_ranks forms the micro-batches differently."""
+
+TWO_RANK_LAYOUTS = {
+    "trl": None,
+    "packed": ["packed", {"capacity": 40, "balance_ranks": False}],
+    "token_budget": ["token_budget", {"max_tokens": 60, "balance_ranks": False}],
+    "unshared": ["packed", {"capacity": 40, "prompt_sharing": False, "balance_ranks": False}],
+    "packed_balanced": ["packed", {"capacity": 40}],  # balance_ranks="auto": on for dapo
+    "token_budget_balanced": ["token_budget", {"max_tokens": 60, "balance_ranks": True}],
+    "trl_grpo": [None, {}, {"loss_type": "grpo"}],  # TRL alone, the per-completion mean loss
+    "grpo_balanced": ["packed", {"capacity": 40, "balance_ranks": True}, {"loss_type": "grpo"}],
+    "bnpo_auto": ["packed", {"capacity": 40}, {"loss_type": "bnpo"}],  # auto: off, warned once
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, tmp_path_factory):
+    """2 processes (torchrun, gloo, DDP through TRL's trainer): the same two-step run once per layout of
+    :data:`TWO_RANK_LAYOUTS`; ``{layout: [rank 0 record, rank 1 record]}``."""
     import json
     import os
     import subprocess
 
     from ports import free_port
 
-    layouts = {"trl": None, "packed": ["packed", {"capacity": 40}], "token_budget": ["token_budget",
-               {"max_tokens": 60}]}  # fmt: skip
+    out = tmp_path_factory.mktemp("grpo-ddp")
     worker = Path(__file__).resolve().parents[1] / "grpo_ddp_worker.py"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(worker), "--out", str(tmp_path), "--model", model_dir,
-        "--layouts", json.dumps(layouts),
+        "--master_port", str(free_port()), str(worker), "--out", str(out), "--model", model_dir,
+        "--layouts", json.dumps(TWO_RANK_LAYOUTS),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = {
-        n: [torch.load(tmp_path / f"{n}_rank{r}.pt", weights_only=False) for r in range(2)] for n in layouts
+    return {
+        n: [torch.load(out / f"{n}_rank{r}.pt", weights_only=False) for r in range(2)]
+        for n in TWO_RANK_LAYOUTS
     }
-    want = runs["trl"][0]
+
+
+def _timing(key):
+    return key in ("step_time", "train_runtime") or "per_second" in key
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_log_what_trl_alone_logs(two_ranks):
+    """With TRL's deal of completions to ranks (``balance_ranks=False``), ``packed`` and ``token_budget``
+    runs log the same history as TRL alone (every metric gathered across ranks) and end with its weights."""
+    want = two_ranks["trl"][0]
     assert len(want["history"]) == 3 and "clip_ratio/region_mean" in want["history"][0]
-    for name in ("packed", "token_budget"):
+    for name in ("packed", "token_budget", "unshared"):
         for rank in range(2):
-            got = runs[name][rank]
-            assert got["forwards"] > 0
+            got = two_ranks[name][rank]
+            assert got["forwards"] > 0 and got["balanced_steps"] == 0
             for w, g in zip(want["history"], got["history"], strict=True):
                 for key in w:
-                    if key in ("step_time", "train_runtime") or "per_second" in key:
-                        continue
-                    assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (name, rank, key)
+                    if not _timing(key):
+                        assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (name, rank, key)
             for key, value in want["weights"].items():
                 torch.testing.assert_close(
                     got["weights"][key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}"
                 )
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_balanced_keep_trl_s_optimizer_step(two_ranks):
+    """``balance_ranks`` (on by default for dapo; forced for ``token_budget`` and for the grpo loss) deals
+    each optimizer step's completions again between the ranks by tokens: the heaviest rank's share falls
+    towards the mean, and the step is TRL's: the loss, grad norm, rewards and token counts logged equal TRL alone's and the weights end
+    equal (Adam can move a weight by a share of lr on a rounding-level gradient, as for RLOO above). Only the
+    per-micro-batch metrics (:data:`PER_MICRO_BATCH`) are averaged over other micro-batches."""
+    moved = []
+    for name, alone in (
+        ("packed_balanced", "trl"),
+        ("token_budget_balanced", "trl"),
+        ("grpo_balanced", "trl_grpo"),
+    ):
+        want = two_ranks[alone][0]
+        zero, one = two_ranks[name]
+        assert zero["balanced_steps"] == one["balanced_steps"] == 2  # one generation batch per step
+        assert zero["rank_tokens"] == one["rank_tokens"]  # every rank dealt the same way
+        before, after = zero["imbalance"]
+        assert 1.0 <= after <= before, (name, before, after)
+        moved.append(after < before)
+        assert sum(zero["rank_tokens"][0]) == sum(zero["rank_tokens"][1])  # no token lost or doubled
+        for rank, got in enumerate((zero, one)):
+            for w, g in zip(want["history"], got["history"], strict=True):
+                assert set(w) == set(g)
+                for key in w:
+                    if not _timing(key) and not key.startswith(PER_MICRO_BATCH):
+                        assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (name, rank, key)
+            for key, value in want["weights"].items():
+                q = got["weights"][key]
+                torch.testing.assert_close(q, value, rtol=1e-4, atol=1e-4, msg=f"{name} {key}")
+                assert (q - value).abs().gt(1e-6).float().mean() < 1e-3, (name, key)
+    assert moved == [True, True, True], moved  # TRL's deal was uneven in these runs: completions moved
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_auto_balance_warns_where_it_would_change_the_gradient(two_ranks):
+    """``loss_type='bnpo'`` divides each micro-batch by its own tokens: ``balance_ranks='auto'`` keeps TRL's
+    deal, says why once (a FallbackWarning, counted) and records it in the state."""
+    for got in two_ranks["bnpo_auto"]:
+        assert got["balanced_steps"] == 0 and "bnpo" in got["balance_off"]
+        assert got["fallbacks"].get("grpo.balance_ranks") == 1
+        assert len(got["history"]) == 3
+    assert "grpo.balance_ranks" not in two_ranks["packed_balanced"][0]["fallbacks"]

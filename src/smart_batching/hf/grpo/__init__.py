@@ -12,6 +12,7 @@ module           what it holds
 ===============  ==========================================================================================
 ``trainer``      :class:`GRPOSmartBatchingMixin`: the planned forward of the training pass
 ``rows``         completions read from TRL's padded batch, laid out with their prompt once per row group
+``ranks``        every rank an equal share of each optimizer step's completions (``balance_ranks``)
 ``upstream``     ``GRPOConfig``'s options (:data:`~smart_batching.hf.grpo.upstream.GRPO_OPTIONS`), what the
                  kind accepts and refuses
 ===============  ==========================================================================================

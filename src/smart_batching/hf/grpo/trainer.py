@@ -20,6 +20,10 @@ up to floating-point summation order.
   into several, the prompt in each). ``prompt_sharing=False`` makes every completion its own unit.
 * ``token_budget``: the completions of a call are the units, costed by prompt + completion tokens; each
   planned micro-batch runs TRL's own padded forward, at its own width.
+
+On several ranks (``balance_ranks``, on by default where it keeps the optimizer step), the completions of
+each optimizer step are dealt again between the ranks and micro-batches by tokens, each micro-batch keeping
+TRL's count (:mod:`smart_batching.hf.grpo.ranks`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import torch
 from smart_batching import compat
 from smart_batching.attention.prefix_sharing import PREFIX_SHARED_ATTENTION, enable_prefix_shared_attention
 from smart_batching.errors import ConfigError
+from smart_batching.fallbacks import warn_fallback
 from smart_batching.hf.adapter import Accepts, mixed_class, refuse_overlong, split_options
+from smart_batching.hf.grpo.ranks import balance_window, partition_dependence
 from smart_batching.hf.grpo.rows import Completions, chunk_rows
 from smart_batching.hf.grpo.upstream import COMPLETIONS, resolve_grpo_upstream
 from smart_batching.planners import FASTEST_STRATEGY, make_spec, plan_batches
@@ -60,6 +66,12 @@ class GRPOSmartBatchingState:
         num_forwards: forward calls run so far (rows or padded micro-batches).
         num_tokens: token slots they held (real tokens for ``packed``, rows x width for ``token_budget``).
         num_trl_tokens: token slots TRL's padded chunks of the same calls would have held.
+        balance_ranks: each optimizer step's completions are dealt again between the ranks by tokens.
+        balance_off: why they are not, where there are several ranks (None: they are, or one rank).
+        balanced_steps: optimizer steps dealt again so far.
+        rank_tokens_before: per balanced step, each rank's tokens (prompt + completion) as TRL dealt them,
+            summed over the steps, ``(world,)``; ``rank_tokens_after``: the same after dealing.
+        heaviest_before / heaviest_after: the heaviest rank's tokens, summed over the balanced steps.
     """
 
     spec: Any
@@ -68,6 +80,30 @@ class GRPOSmartBatchingState:
     num_forwards: int = 0
     num_tokens: int = 0
     num_trl_tokens: int = 0
+    balance_ranks: bool = False
+    balance_off: str | None = None
+    balanced_steps: int = 0
+    heaviest_before: int = 0
+    heaviest_after: int = 0
+    rank_tokens_before: list[int] | None = None
+    rank_tokens_after: list[int] | None = None
+
+    @property
+    def step_imbalance_before(self) -> float:
+        """The heaviest rank's tokens over the mean rank's, over the balanced steps, as TRL dealt them
+        (1.0: even; nan: no step balanced yet)."""
+        return _imbalance(self.heaviest_before, self.rank_tokens_before)
+
+    @property
+    def step_imbalance_after(self) -> float:
+        """:attr:`step_imbalance_before` after dealing."""
+        return _imbalance(self.heaviest_after, self.rank_tokens_after)
+
+
+def _imbalance(heaviest: int, per_rank: list[int] | None) -> float:
+    if not per_rank or not sum(per_rank):
+        return float("nan")
+    return heaviest / (sum(per_rank) / len(per_rank))
 
 
 class GRPOSmartBatchingMixin:
@@ -84,6 +120,7 @@ class GRPOSmartBatchingMixin:
         strategy_options: Mapping[str, Any] | None = None,
         seed: int | None = None,
         prompt_sharing: bool = True,
+        balance_ranks: bool | str = "auto",
     ) -> None:
         """Configure smart batching on an initialised ``GRPOTrainer``.
 
@@ -93,6 +130,10 @@ class GRPOSmartBatchingMixin:
             seed: Planner seed; None uses ``args.seed``.
             prompt_sharing: ``packed``: one prompt per group of completions (False: each completion with
                 its own copy of the prompt).
+            balance_ranks: On several ranks, deal each optimizer step's completions again between the
+                ranks by tokens (each micro-batch keeps TRL's count). ``"auto"``: where the gradient stays
+                TRL's (:func:`~smart_batching.hf.grpo.ranks.partition_dependence`), otherwise warn once
+                and keep TRL's deal; True: refuse the settings where it would not; False: TRL's deal.
 
         Raises:
             ConfigError: an option that cannot be honoured (named), or a model whose attention cannot keep
@@ -111,12 +152,67 @@ class GRPOSmartBatchingMixin:
             seed=int(seed if seed is not None else self.args.seed),
             prompt_sharing=bool(prompt_sharing) and spec.packs_rows,
         )
+        self._sb_setup_balance(balance_ranks)
         if spec.packs_rows:
             for model in self._sb_models():
                 use_cache = model.config.use_cache  # generation keeps its KV cache
                 enable_prefix_shared_attention(model)
                 model.config.use_cache = use_cache
                 self._sb_check_layout(model)
+
+    def _sb_setup_balance(self, balance_ranks: bool | str) -> None:
+        if balance_ranks not in ("auto", True, False):
+            raise ConfigError(f"balance_ranks={balance_ranks!r}: give 'auto', True or False")
+        if balance_ranks is False:
+            return
+        why = partition_dependence(self)
+        if why is not None and balance_ranks is True:
+            raise ConfigError(
+                f"balance_ranks=True would change the gradient: {why}. Set balance_ranks=False (or 'auto')"
+            )
+        if self.accelerator.num_processes < 2:
+            return  # one rank: nothing to balance
+        state = self.smart_batching
+        if why is None:
+            state.balance_ranks = True
+            return
+        state.balance_off = why
+        warn_fallback(
+            "grpo.balance_ranks",
+            f"the ranks keep TRL's deal of completions, uneven in tokens, because {why}; change that "
+            "setting to have them balanced, or pass balance_ranks=False to ask for TRL's deal",
+        )
+
+    # -- every rank an equal share --------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's ``_prepare_inputs``; after each new generation batch, every optimizer step's
+        micro-batches are dealt again between the ranks (``balance_ranks``)."""
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)  # type: ignore[misc]
+        if self.smart_batching.balance_ranks and self.model.training and self._buffered_inputs is not before:
+            self._buffered_inputs = self._sb_balance(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _sb_balance(self, buffered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        state = self.smart_batching
+        accum = int(self.args.gradient_accumulation_steps)
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        pad = int(pad if pad is not None else 0)
+        out: list[dict[str, Any]] = []
+        for start in range(0, len(buffered), accum):
+            dealt, before, after = balance_window(
+                buffered[start : start + accum], self.accelerator.gather, rank, world, pad
+            )
+            out.extend(dealt)
+            state.balanced_steps += 1
+            state.heaviest_before += int(before.max())
+            state.heaviest_after += int(after.max())
+            state.rank_tokens_before = (np.array(state.rank_tokens_before or [0] * world) + before).tolist()
+            state.rank_tokens_after = (np.array(state.rank_tokens_after or [0] * world) + after).tolist()
+        return out
 
     def _sb_models(self) -> list[Any]:
         unwrap = self.accelerator.unwrap_model

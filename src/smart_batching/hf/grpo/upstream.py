@@ -29,6 +29,14 @@ GRPO_OPTIONS: tuple[UpstreamOption, ...] = (
         "Honoured: TRL's buffering, shuffle and split of the generation batch stay; the old policy's "
         "log-probabilities, where TRL computes them, are computed the same way (tested with "
         "steps_per_generation=2, gradient_accumulation_steps=2 and num_iterations=2)."),
+    UpstreamOption("smart batching", "balance_ranks",
+        "On several ranks, each optimizer step's completions are dealt again between the ranks and "
+        "micro-batches by tokens, each micro-batch keeping TRL's count: the step holds TRL's completions and "
+        "its gradient is TRL's (tested on 2 gloo ranks: loss, grad norm, rewards and weights as TRL alone); "
+        "`kl`, `entropy` and the clip ratios, which TRL averages per micro-batch, are averaged over the new "
+        "micro-batches. `\"auto\"` (default) deals where that holds and otherwise warns once and keeps TRL's "
+        "deal (`loss_type='bnpo'`, an entropy bonus, `top_entropy_quantile` < 1, `steps_per_generation` not a "
+        "multiple of `gradient_accumulation_steps`); `True` refuses those settings; `False` keeps TRL's deal."),
     UpstreamOption(GRPO, "importance_sampling_level / epsilon / epsilon_high / delta / top_entropy_quantile",
         "Honoured: read by TRL's loss code on our log-probabilities and entropies (tested equal to TRL's; "
         "the sequence level under luspo, the token level otherwise; `delta`, `top_entropy_quantile` not "
