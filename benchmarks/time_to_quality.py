@@ -242,7 +242,7 @@ def trl_run(bench: Any, capacity: int, seed: int, eval_every: str | None) -> dic
         "eval_overhead": {"wall_seconds": curve.eval_wall, "cpu_seconds": curve.eval_cpu,
                           "wall_ratio": curve.eval_wall / wall if wall else None},
         "wall_seconds": wall, "cpu_seconds": cpu, "real_tokens": real,
-        "token_slots": int(sum(collator.slots)),
+        "token_slots": int(sum(collator.slots)), "target_tokens": int(sum(collator.target_tokens)),
         "padding_ratio": 1.0 - real / max(1, int(sum(collator.slots))),
         "randomness": None, "load_average_start": os.getloadavg()[0],
     }  # fmt: skip

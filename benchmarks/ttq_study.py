@@ -62,16 +62,20 @@ tokens per epoch each (the whole model's forward pass is most of a step's cost, 
 token), no truncation (SGD's loss is on its last reply, LIMA's lengths are what is studied), and the
 held-out loss every half epoch (GSM8K, HumanEval) or at epoch ends (SGD, LIMA: longer held-out
 examples)."""
-ROWS = (
-    "random", "group_by_length", "token_budget", "packed", "group_by_length[loss_normalization=epoch]",
-    "packed[loss_normalization=epoch]", "packed[spread]", "trl_packing",
-)  # fmt: skip
+ROWS = ("random", "group_by_length", "token_budget", "packed", "packed[spread]", "trl_packing")
+CANDIDATES = ("group_by_length[loss_normalization=epoch]", "packed[loss_normalization=epoch]")
+"""Rows of the first pass (``--strategies`` runs them): no better than their base rows anywhere there."""
+LOSS_ON = "completion"
+"""What the bench's rows learn from, in every run's settings (and so its key): the completion, the prompt
+masked by the data's ``prompt_length``. The first pass's runs (settings without ``loss_on``) trained on
+every token: the Trainer dropped ``prompt_length`` before the bench's counting collator
+(``remove_unused_columns``); ``trl_packing`` learned from the completion in both."""
 TRL = "trl_packing"
 BUDGET_SEEDS = range(10)
 KEEP = (
     "bench_id", "strategy", "strategy_options", "seed", "status", "skip_reason", "num_steps", "real_tokens",
-    "token_slots", "padding_ratio", "wall_seconds", "cpu_seconds", "tokens_per_second", "eval", "eval_initial",
-    "eval_curve", "eval_overhead", "randomness", "fallbacks", "load_average_start", "load_average_end",
+    "token_slots", "target_tokens", "padding_ratio", "wall_seconds", "cpu_seconds", "tokens_per_second", "eval",
+    "eval_initial", "eval_curve", "eval_overhead", "randomness", "fallbacks", "load_average_start", "load_average_end",
     "peak_memory_mb", "planned", "versions", "machine",
 )  # fmt: skip
 """The record fields kept in the results file (the summary's and what a reader needs to trust a row)."""
@@ -98,7 +102,7 @@ def task_settings(task: str, opts: argparse.Namespace) -> dict[str, Any]:
         "epochs": opts.epochs, "eval_every": opts.eval_every or spec["eval_every"], "device": opts.device,
         "num_examples": opts.num_examples or spec["num_examples"],
         "eval_examples": opts.eval_examples or spec["eval_examples"],
-        "batch_size": spec["batch_size"], "max_length": spec["max_length"],
+        "batch_size": spec["batch_size"], "max_length": spec["max_length"], "loss_on": LOSS_ON,
     }  # fmt: skip
 
 

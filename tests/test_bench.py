@@ -130,6 +130,24 @@ def test_every_strategy_sees_the_same_examples(micro_bench):
     )
 
 
+def test_every_strategy_learns_from_the_completions_only(micro_bench):
+    """The loss covers each answer and never its question: the data's prompt_length reaches the
+    collator through the Trainer (HF's remove_unused_columns would drop it), for every strategy."""
+    from smart_batching.data.tasks import prepare_training_data
+
+    out, _, _ = micro_bench
+    records = read_records(out / "records.jsonl")
+    train = out.parent / "data" / "train.jsonl"
+    tokenizer = bench_models.load_training_model("tiny-llama").tokenizer
+    data = prepare_training_data(str(train), tokenizer=tokenizer, num_examples=NUM_TRAIN, eval_examples=4)
+    prompts = data.train["prompt_length"]
+    assert min(prompts) > 1  # there is a question to mask
+    # Each example predicts its tokens after the prompt (a row's first token is predicted by nothing).
+    expected = sum(len(ids) - max(p, 1) for ids, p in zip(data.train["input_ids"], prompts, strict=True))
+    assert [r["target_tokens"] for r in records] == [expected] * len(records)
+    assert expected < records[0]["real_tokens"] - NUM_TRAIN
+
+
 def test_report_renders_markdown_html_and_pngs(micro_bench):
     out, _, stdout = micro_bench
     md, html = out / "report.md", out / "report.html"

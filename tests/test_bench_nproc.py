@@ -137,7 +137,8 @@ def _rank(rank: int, examples: list[int], tokens: list[int], step_s: list[float]
     ids = np.arange(rank * 10, rank * 10 + sum(examples))
     return {
         "world_size": 1, "num_steps": len(examples), "examples": examples, "real_tokens": tokens,
-        "slots": [2 * t for t in tokens], "wall_seconds": 1.0 + rank, "cpu_seconds": 2.0, "step_seconds": step_s,
+        "slots": [2 * t for t in tokens], "target_tokens": [t // 2 for t in tokens], "wall_seconds": 1.0 + rank,
+        "cpu_seconds": 2.0, "step_seconds": step_s,
         "iteration_seconds": step_s, "peak_memory_mb": [peak], "memory_start_mb": [peak / 2],
         "losses": [float(rank)] * len(examples), "example_ids": ids, "seg_lengths": ids + 1,
         "fallbacks": {"attention.varlen": 3} if rank else {},
@@ -150,6 +151,7 @@ def test_merge_measurements_adds_tokens_per_step_and_keeps_the_slowest():
     )
     assert merged["world_size"] == 2
     assert merged["examples"] == [3, 7] and merged["real_tokens"] == [45, 56] and merged["slots"] == [90, 112]
+    assert merged["target_tokens"] == [22, 28]
     assert merged["step_seconds"] == [0.5, 0.3]  # a step lasts as long as its slowest rank
     assert merged["wall_seconds"] == 2.0 and merged["cpu_seconds"] == 4.0
     assert merged["peak_memory_mb"] == [100.0, 120.0] and merged["memory_start_mb"] == [50.0, 60.0]

@@ -359,6 +359,40 @@ def test_remove_unused_columns_with_your_own_collator(tiny_llama_and_args, remov
     assert ("source" in seen[0]) is (not remove)
 
 
+@pytest.mark.parametrize("remove", [True, False])
+def test_dropping_the_prompt_mask_before_your_collator_is_warned(tiny_llama_and_args, remove, recwarn):
+    """HF's rule drops ``prompt_length`` (no forward argument) before the caller's own collator, which
+    would then train on the prompt too: said once, naming the setting; kept (and quiet) with False."""
+    from transformers import Trainer
+
+    from smart_batching.collate import PaddingCollator
+    from smart_batching.fallbacks import FallbackWarning, recorded_fallbacks
+
+    model, args = tiny_llama_and_args()
+    args.remove_unused_columns = remove
+    seen = []
+    padding = PaddingCollator(0)
+
+    def collate(features):  # the user's collator around smart batching's, masking by prompt_length
+        seen.append(sorted(features[0]))
+        return padding(features)
+
+    data = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7]], "prompt_length": [2, 3]})
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    apply_smart_batching(trainer, "random", replace_collator=False)
+    batch = next(iter(trainer.get_train_dataloader()))
+    warned = [str(w.message) for w in recwarn if w.category is FallbackWarning]
+    targets = int((batch["labels"] != -100).sum())
+    if remove:
+        assert "prompt_length" not in seen[0] and targets == 7  # every token
+        assert len(warned) == 1 and "(trainer.mask_columns)" in warned[0]
+        assert "remove_unused_columns=False" in warned[0]
+        assert recorded_fallbacks() == {"trainer.mask_columns": 1}
+    else:
+        assert "prompt_length" in seen[0] and targets == 2  # the tokens after each prompt
+        assert not warned and recorded_fallbacks() == {}
+
+
 def test_smart_batching_collators_get_the_columns_they_read(tiny_llama_and_args):
     from transformers import Trainer
 
@@ -440,6 +474,7 @@ ROW_TESTS = {
     "dataloader_drop_last": [test_dataloader_drop_last_is_honoured_or_refused],
     "remove_unused_columns": [
         test_remove_unused_columns_with_your_own_collator,
+        test_dropping_the_prompt_mask_before_your_collator_is_warned,
         test_smart_batching_collators_get_the_columns_they_read,
     ],
     "label_names": [test_label_names_other_than_labels_are_refused],

@@ -1,8 +1,8 @@
 """What a training run is measured with: a counting collator and Trainer callbacks.
 
 * :class:`CountingCollator` wraps the strategy's collator and records, per batch, the examples, the
-  real tokens and the token slots the model actually computed over (so padding is measured, not
-  planned).
+  real tokens, the token slots the model actually computed over (so padding is measured, not
+  planned) and the target tokens the loss is taken over (so what is learned from is measured too).
 * :class:`StepTimer` times each optimizer step (``on_step_begin`` to ``on_step_end``: forward, backward,
   clipping, optimizer; the batch is already collated) and each iteration (``on_step_end`` to the next:
   also data loading and collation). On CUDA it synchronises first, so the times are the GPU's.
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from smart_batching.collate import PaddingCollator
+from smart_batching.loss import count_target_tokens
 
 try:
     from transformers import TrainerCallback
@@ -35,8 +36,10 @@ except ImportError:  # pragma: no cover - the hf extra is required by the bench
 class CountingCollator:
     """Wrap a collator and count what each batch it builds holds.
 
-    After training, ``examples``, ``real_tokens`` and ``slots`` are lists with one entry per batch:
-    examples in the batch, real (non-padding) tokens, and ``input_ids.numel()`` (rows × width).
+    After training, ``examples``, ``real_tokens``, ``slots`` and ``target_tokens`` are lists with one entry
+    per batch: examples in the batch, real (non-padding) tokens, ``input_ids.numel()`` (rows × width), and
+    the labels the loss counts (``shift_labels`` where the collator gives them, else ``labels`` less each
+    row's first; 0 without labels).
     """
 
     def __init__(self, collator: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]) -> None:
@@ -44,6 +47,7 @@ class CountingCollator:
         self.examples: list[int] = []
         self.real_tokens: list[int] = []
         self.slots: list[int] = []
+        self.target_tokens: list[int] = []
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
         batch = self.collator(features)
@@ -52,6 +56,13 @@ class CountingCollator:
         self.examples.append(len(features))
         self.slots.append(int(ids.numel()))
         self.real_tokens.append(int(mask.sum()) if mask is not None else int(ids.numel()))
+        shifted, labels = batch.get("shift_labels"), batch.get("labels")
+        if shifted is not None:
+            self.target_tokens.append(int(count_target_tokens(shifted, shift_labels=False)))
+        elif labels is not None and labels.dim() == 2:
+            self.target_tokens.append(int(count_target_tokens(labels)))
+        else:  # no labels, or one per example (classification)
+            self.target_tokens.append(0 if labels is None else int(labels.numel()))
         return batch
 
 

@@ -78,6 +78,7 @@ def merge_measurements(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         examples=add("examples"),
         real_tokens=add("real_tokens"),
         slots=add("slots"),
+        target_tokens=add("target_tokens"),
         wall_seconds=max(p["wall_seconds"] for p in parts),
         cpu_seconds=sum(p["cpu_seconds"] for p in parts),
         step_seconds=slowest("step_seconds"),

@@ -18,7 +18,8 @@ SCHEMA_VERSION = 1
 
 RECORD_FIELDS = (
     "schema", "bench_id", "run_index", "status", "strategy", "strategy_options", "seed", "model", "task",
-    "world_size", "num_steps", "num_examples_seen", "real_tokens", "token_slots", "padding_ratio", "examples_digest",
+    "world_size", "num_steps", "num_examples_seen", "real_tokens", "token_slots", "target_tokens",
+    "padding_ratio", "examples_digest",
     "wall_seconds", "cpu_seconds", "tokens_per_second", "samples_per_second", "step_seconds", "iteration_seconds",
     "peak_memory_mb", "peak_memory_mb_per_rank", "memory_kind", "loss_curve", "train_loss_final", "eval", "eval_initial",
     "task_metric", "generations", "dropped", "planned", "randomness", "fallbacks", "schedule", "oom_backoff", "data",
@@ -30,7 +31,8 @@ RECORD_FIELDS = (
 with several, ``tokens_per_second`` counts every process's real tokens over the slowest one's wall time
 and ``peak_memory_mb`` is the largest of ``peak_memory_mb_per_rank``; ``rank_balance`` is how evenly the
 processes' work was spread, per step (:func:`~smart_batching.bench.multiprocess.rank_balance`; None with one
-process). ``fallbacks`` counts the slower
+process). ``target_tokens`` counts the labels the loss was taken over, every step of every process (the
+prompt masked: the completions' tokens, each row's first excluded). ``fallbacks`` counts the slower
 paths the run took, by kind (:mod:`smart_batching.fallbacks`; ``{}`` when none, summed over processes).
 ``randomness`` is how random the strategy's batches are, from its plans for epochs 0 and 1 with the run's
 seed (``order_corr``, ``pair_repeat``, ``pair_repeat_random``: see

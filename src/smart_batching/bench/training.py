@@ -248,6 +248,9 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
+        # The bench's collators mask each prompt by the data's prompt_length column; HF's default rule
+        # would drop it before the collator (it is no forward argument): keep every column.
+        remove_unused_columns=False,
         logging_steps=1,
         save_strategy="no",
         eval_strategy="no",
@@ -457,6 +460,7 @@ def train_run(
         "examples": list(collator.examples),
         "real_tokens": list(collator.real_tokens),
         "slots": list(collator.slots),
+        "target_tokens": list(collator.target_tokens),
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "step_seconds": list(timer.step_seconds),
@@ -539,6 +543,7 @@ def _finish_record(
         num_examples_seen=examples,
         real_tokens=real,
         token_slots=slots,
+        target_tokens=int(sum(m["target_tokens"])),
         padding_ratio=1.0 - real / slots if slots else 0.0,
         examples_digest=examples_digest(m["example_ids"], m["seg_lengths"]),
         wall_seconds=wall,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from smart_batching.fallbacks import warn_fallback
 from smart_batching.plan import as_lengths
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec, spec_class
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
@@ -26,6 +27,32 @@ MODEL_INPUT_COLUMNS = (
     "seq_lengths",
     "position_ids",
 )
+
+MASK_COLUMNS = ("prompt_length", "completion_mask", "assistant_masks")
+"""Columns that say which tokens are targets: a collator that never sees them trains on every token."""
+
+
+def warn_dropped_mask_columns(dataset: Any, given: Any) -> list[str]:
+    """Warn once (``trainer.mask_columns``) where the columns marking the prompt (:data:`MASK_COLUMNS`)
+    are in ``dataset`` but not in ``given``, the dataset handed to the caller's own ``data_collator``
+    after HF's ``remove_unused_columns`` rule (it keeps only the model's forward arguments): a collator
+    that reads them to mask the prompt would then silently train on every token. Returns the dropped
+    columns (none where the collator sees them, e.g. TRL's trainers, which keep their own)."""
+    before, after = getattr(dataset, "column_names", None), getattr(given, "column_names", None)
+    if before is None or after is None:
+        return []
+    dropped = [c for c in MASK_COLUMNS if c in before and c not in after]
+    if dropped:
+        warn_fallback(
+            "trainer.mask_columns",
+            f"remove_unused_columns=True drops the train dataset's {', '.join(dropped)} column before your "
+            "data_collator sees it (HF's rule keeps only the model's forward arguments), so a collator that "
+            "reads it to mask the prompt trains on every token. Pass TrainingArguments("
+            "remove_unused_columns=False) if your collator reads it, or leave data_collator unset (smart "
+            "batching's collators get the columns they read).",
+            stacklevel=4,
+        )
+    return dropped
 
 
 def dataset_lengths(

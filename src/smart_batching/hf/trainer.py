@@ -26,6 +26,7 @@ from smart_batching.hf.data import (
     default_pad_token_id,
     make_collator,
     model_input_dataset,
+    warn_dropped_mask_columns,
 )
 from smart_batching.hf.loss import TokenLossMixin, _detect_shift_labels
 from smart_batching.hf.packed_model import prepare_packed_model
@@ -330,6 +331,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
             dataset = model_input_dataset(self.train_dataset)  # only the columns our collators read
         else:  # the caller's collator: the columns HF would give it
             dataset = compat.remove_unused_columns(self, self.train_dataset)
+            warn_dropped_mask_columns(self.train_dataset, dataset)
         if sampler.yields_segments:
             dataset = SegmentDataset(dataset)
         collate = self.data_collator

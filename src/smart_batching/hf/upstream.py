@@ -49,7 +49,9 @@ UPSTREAM_OPTIONS: tuple[UpstreamOption, ...] = (
     UpstreamOption(TA, "remove_unused_columns",
         "With smart batching's collators, they get the columns they read (input_ids, labels, masks, "
         "seq_lengths, position_ids, ...). With your own `data_collator`, HF's rule: True keeps the "
-        "model's signature columns, False keeps every column."),
+        "model's signature columns, False keeps every column; where True drops `prompt_length`, "
+        "`completion_mask` or `assistant_masks` before your collator, a warning says so "
+        "(`trainer.mask_columns`)."),
     UpstreamOption(TA, "label_names",
         "`labels` (the default) honoured; other names are refused unless you pass your own "
         "`data_collator` (smart batching's collators write `labels`)."),
