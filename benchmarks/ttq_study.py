@@ -149,7 +149,8 @@ def matched_budgets(task: str, settings: dict[str, Any], data: Path, rows: list[
 
 
 def study_runs(opts: argparse.Namespace, folder: Path) -> tuple[list[Run], dict[str, Path]]:
-    """Every run of the study, seed-major (all rows of seed 0 first), and each task's data file."""
+    """Every run of the study, task by task, seed-major (all rows of seed 0 first), and each task's data
+    file (:func:`run_study` launches them seed-major over the tasks)."""
     from smart_batching.planners import split_strategies
 
     rows = split_strategies(opts.strategies)
@@ -299,7 +300,9 @@ def run_study(opts: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         runs, files = study_runs(opts, Path(tmp))
         done = done_keys(results)
-        todo = [r for r in runs if r.key not in done]
+        # Seed-major over the tasks too: every task's seed 0 before any seed 1, so a stretch of a few
+        # hours leaves paired seeds on every task rather than every seed of the first tasks.
+        todo = sorted((r for r in runs if r.key not in done), key=lambda r: r.seed)
         print(
             f"{len(runs)} runs in the study, {len(runs) - len(todo)} in {results}, {len(todo)} to go",
             file=sys.stderr,
