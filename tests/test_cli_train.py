@@ -88,3 +88,22 @@ def test_batch_schedule_ramps_the_tokens_per_step(capsys, tmp_path):
     assert summary["steps"] == len(per_step) > 4
     assert abs(per_step[0] - 300) <= 128 and abs(per_step[-2] - 1200) <= 128  # half an example at most
     assert summary["oom_backoffs"] == 0 and sum(per_step) == summary["real_tokens"]
+
+
+def test_an_epoch_learns_from_every_completion_and_no_prompt(capsys, tmp_path, recwarn):
+    """The loss covers each example's completion, never its prompt: the data's prompt_length reaches the
+    collator (HF's remove_unused_columns would drop it), and nothing falls back."""
+    from smart_batching.data.tasks import prepare_training_data
+    from smart_batching.data.tokenizers import load_tokenizer
+    from smart_batching.fallbacks import FallbackWarning
+
+    assert main([*BASE, "--out", str(tmp_path / "run"), "--epochs", "1"]) == 0
+    summary = _summary(capsys)
+    data = prepare_training_data(
+        "default", tokenizer=load_tokenizer("smollm2"), num_examples=48, eval_examples=8, max_length=256
+    )
+    prompts = data.train["prompt_length"]
+    assert max(prompts) > 1
+    expected = sum(len(ids) - max(p, 1) for ids, p in zip(data.train["input_ids"], prompts, strict=True))
+    assert summary["target_tokens"] == expected < summary["real_tokens"] - 48
+    assert not [w for w in recwarn if w.category is FallbackWarning]

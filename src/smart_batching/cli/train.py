@@ -164,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
         disable_tqdm=not sys.stderr.isatty(),
+        # The collator masks each prompt by the data's prompt_length column, which HF's default rule
+        # would drop before it (no forward argument): keep every column.
+        remove_unused_columns=False,
     )
     imbalance: list[float] = []
     per_step: list[int] = []
@@ -213,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "train_loss": result.training_loss,
         "seconds": seconds,
         "real_tokens": counter.total,
+        "target_tokens": counter.targets,
         "real_tokens_per_s": counter.total * world_size / seconds if seconds else None,
         "max_step_imbalance": max(imbalance) if imbalance else 1.0,
         "mean_step_imbalance": sum(imbalance) / len(imbalance) if imbalance else 1.0,
@@ -260,18 +264,26 @@ def _budget(args: argparse.Namespace, name: str, default: int) -> int:
 
 
 class TokenCounter:
-    """Wraps a collator and counts the real tokens that pass through it."""
+    """Wraps a collator and counts the real tokens that pass through it, and the target tokens (the
+    labels the loss is taken over: the prompt masked, each row's first token predicted by nothing)."""
 
     def __init__(self, inner: Any) -> None:
+        from smart_batching.loss import count_target_tokens  # torch: loaded when training, not with the CLI
+
         self.inner = inner
+        self.count_targets = count_target_tokens
         self.pending = 0
         self.total = 0
+        self.targets = 0
 
     def __call__(self, features: list[dict[str, Any]]) -> Any:
         n = sum(len(f["input_ids"]) for f in features)
         self.pending += n
         self.total += n
-        return self.inner(features)
+        batch = self.inner(features)
+        if "labels" in batch:
+            self.targets += int(self.count_targets(batch["labels"]))
+        return batch
 
     def take(self) -> int:
         n, self.pending = self.pending, 0
