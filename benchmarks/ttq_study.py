@@ -19,7 +19,8 @@ appends nothing. ``--budget-hours H`` launches no new run after H hours.
 
 The report (``--from-records``) reads the results file: per task and row, the held-out loss against
 ``random`` at each epoch's end paired by seed (95 % t-intervals), time to random's final loss (wall
-and CPU, ratio with interval) and the plot of held-out loss against wall time (bands over seeds).
+and CPU, ratio with interval) and the plot of held-out loss against wall time (bands over seeds); ``--current`` keeps only the runs of
+the study's default settings (the file also holds earlier passes, each under its own settings hash).
 """
 
 from __future__ import annotations
@@ -345,12 +346,26 @@ def run_study(opts: argparse.Namespace) -> int:
     return launched
 
 
-def report(paths: list[str], plot_path: str | None, as_json: bool) -> list[dict[str, Any]]:
-    """The summary of recorded runs: per (task, settings) the rows of ``time_to_quality.summarise``."""
+def current_hashes() -> set[str]:
+    """The settings hash of every task at the study's defaults (what ``--current`` keeps)."""
+    opts = argparse.Namespace(
+        trainable_layers=TRAINABLE_LAYERS, epochs=EPOCHS, eval_every=None, device="cpu", num_examples=None,
+        eval_examples=None,
+    )  # fmt: skip
+    return {settings_hash(task_settings(task, opts)) for task in TASKS}
+
+
+def report(
+    paths: list[str], plot_path: str | None, as_json: bool, keep: set[str] | None = None
+) -> list[dict[str, Any]]:
+    """The summary of recorded runs: per (task, settings) the rows of ``time_to_quality.summarise``;
+    ``keep``: only the runs of these settings hashes."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in paths:
         for r in read_results(Path(path)):
             s = r["study"]
+            if keep is not None and s["settings_hash"] not in keep:
+                continue
             groups.setdefault((s["task"], s["settings_hash"]), []).append(r)
     rows, by_task = [], {}
     for (task, key), records in groups.items():
@@ -391,6 +406,9 @@ def main(argv: list[str] | None = None) -> Any:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default 1)")
     parser.add_argument("--from-records", nargs="+", default=None, metavar="FILE", help="report only")
     parser.add_argument("--json", action="store_true", help="one JSON line per (task, row)")
+    parser.add_argument(
+        "--current", action="store_true", help="report only the runs of the study's default settings"
+    )
     parser.add_argument("--plot", default=None, help="held-out loss against wall time (PNG; one per task)")
     parser.add_argument("--results", default=str(RESULTS), help="the results file (JSON lines, appended)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each in its own process")
@@ -411,7 +429,7 @@ def main(argv: list[str] | None = None) -> Any:
         tmp.replace(opts.record_to)
         return record
     if opts.from_records:
-        return report(opts.from_records, opts.plot, opts.json)
+        return report(opts.from_records, opts.plot, opts.json, current_hashes() if opts.current else None)
     opts.seed_list = list(range(opts.first_seed, opts.first_seed + opts.seeds))
     launched = run_study(opts)
     report([opts.results], opts.plot, opts.json)

@@ -112,3 +112,20 @@ def test_report_reads_the_results_file_by_task_and_settings(tmp_path, capsys):
     assert rows["random"]["reached"] == 2 and rows["packed"]["reached"] == 2
     assert rows["packed"]["ttt_wall"]["median"] == pytest.approx(1.0)
     assert sum(line.startswith("{") for line in capsys.readouterr().out.splitlines()) == 2
+
+
+def test_report_keeps_only_the_current_settings_when_asked(tmp_path):
+    path = tmp_path / "results.jsonl"
+    current = sorted(ttq_study.current_hashes())
+    assert len(current) == len(ttq_study.TASKS)  # one per task
+    for key, loss in ((current[0], 8.0), ("first-pass", 9.0)):
+        for seed in (0, 1):
+            for row in ("random", "packed"):
+                record = _record(row, seed, [10.0, loss], [0, 3], [0.0, 1.0])
+                record["bench_id"] = f"{row}-{seed}-{key}"
+                record["study"] = {"task": "gsm8k", "row": row, "seed": seed, "settings_hash": key}
+                ttq_study.append_result(path, record)
+    both = ttq_study.report([str(path)], None, as_json=True)
+    assert sorted({r["task"] for r in both}) == [f"gsm8k ({current[0]})", "gsm8k (first-pass)"]
+    kept = ttq_study.report([str(path)], None, as_json=True, keep=set(current))
+    assert {r["task"] for r in kept} == {"gsm8k"} and len(kept) == 2
