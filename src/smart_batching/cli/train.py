@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TrainerCallback, TrainingArguments
 
+    from smart_batching.bench.measure import CountingCollator
     from smart_batching.data.tasks import prepare_training_data
     from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.hf import SmartBatchingTrainer, make_collator
@@ -149,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
     options = spec_class(args.strategy).options_from(knobs)
     pad_id = training_model.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else training_model.tokenizer.eos_token_id or 0
-    counter = TokenCounter(make_collator(args.strategy, pad_token_id=pad_id))
+    # The bench's counting collator counts the target tokens (the labels the loss is taken over).
+    counting = CountingCollator(make_collator(args.strategy, pad_token_id=pad_id))
+    counter = TokenCounter(counting)
     training_args = TrainingArguments(
         output_dir=args.out,
         use_cpu=cpu,
@@ -216,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         "train_loss": result.training_loss,
         "seconds": seconds,
         "real_tokens": counter.total,
-        "target_tokens": counter.targets,
+        "target_tokens": int(sum(counting.target_tokens)),
         "real_tokens_per_s": counter.total * world_size / seconds if seconds else None,
         "max_step_imbalance": max(imbalance) if imbalance else 1.0,
         "mean_step_imbalance": sum(imbalance) / len(imbalance) if imbalance else 1.0,
@@ -264,26 +267,18 @@ def _budget(args: argparse.Namespace, name: str, default: int) -> int:
 
 
 class TokenCounter:
-    """Wraps a collator and counts the real tokens that pass through it, and the target tokens (the
-    labels the loss is taken over: the prompt masked, each row's first token predicted by nothing)."""
+    """Wraps a collator and counts the real tokens that pass through it."""
 
     def __init__(self, inner: Any) -> None:
-        from smart_batching.loss import count_target_tokens  # torch: loaded when training, not with the CLI
-
         self.inner = inner
-        self.count_targets = count_target_tokens
         self.pending = 0
         self.total = 0
-        self.targets = 0
 
     def __call__(self, features: list[dict[str, Any]]) -> Any:
         n = sum(len(f["input_ids"]) for f in features)
         self.pending += n
         self.total += n
-        batch = self.inner(features)
-        if "labels" in batch:
-            self.targets += int(self.count_targets(batch["labels"]))
-        return batch
+        return self.inner(features)
 
     def take(self) -> int:
         n, self.pending = self.pending, 0
