@@ -69,9 +69,9 @@ def simulate(prompt: np.ndarray, answer: np.ndarray, args: argparse.Namespace, w
         noise = rng.lognormal(0.0, args.spread, size=problem.size)
         completion = np.clip(np.rint(answer[problem] * noise), 1, args.max_completion_length).astype(np.int64)
         cost = prompt[problem] + completion  # (world * per_rank,)
-        before.append(cost.reshape(world, per_rank).sum(1))  # contiguous slices: TRL's deal
-        rank_of = deal_to_ranks(cost, world)  # None: TRL's deal kept
-        after.append(before[-1] if rank_of is None else np.bincount(rank_of, weights=cost, minlength=world))
+        _, trl, dealt = deal_to_ranks(cost, world)  # TRL's deal: contiguous slices (kept where as even)
+        before.append(trl)
+        after.append(dealt)
     b, a = np.array(before, dtype=float), np.array(after, dtype=float)
     return {
         "world": world,

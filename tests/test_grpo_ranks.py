@@ -34,8 +34,10 @@ def test_a_count_that_does_not_divide_is_refused():
 def test_ranks_are_dealt_only_where_that_is_more_even():
     rng = np.random.default_rng(5)
     uneven = np.concatenate([rng.integers(300, 600, size=8), rng.integers(8, 60, size=8)])  # rank 0 heavy
-    rank_of = deal_to_ranks(uneven, 2)
+    rank_of, before, after = deal_to_ranks(uneven, 2)
     assert rank_of is not None and np.bincount(rank_of).tolist() == [8, 8]
     load = np.bincount(rank_of, weights=uneven)
     assert load.max() < uneven[:8].sum() and load.max() - load.min() <= uneven.max()
-    assert deal_to_ranks(np.full(16, 40), 2) is None  # even already: TRL's deal kept
+    assert before.tolist() == [uneven[:8].sum(), uneven[8:].sum()] and after.tolist() == load.tolist()
+    kept, before, after = deal_to_ranks(np.full(16, 40), 2)
+    assert kept is None and before.tolist() == after.tolist() == [320, 320]  # even already: TRL's deal kept

@@ -87,15 +87,22 @@ def deal_equal_counts(costs: np.ndarray, num_bins: int) -> np.ndarray:
     return bin_of
 
 
-def deal_to_ranks(cost: np.ndarray, world: int) -> np.ndarray | None:
+def deal_to_ranks(cost: np.ndarray, world: int) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """The rank of each of a step's completions (``cost``: prompt + completion tokens, in TRL's order:
-    rank 0's first, equal counts), dealt by :func:`deal_equal_counts`; None where TRL's deal has no
-    heavier rank than that (it is kept)."""
+    rank 0's first, equal counts), dealt by :func:`deal_equal_counts`.
+
+    Returns:
+        ``(rank_of, before, after)``: the rank of each completion, or None where TRL's deal has no
+        heavier rank than that (it is kept, and ``after`` is ``before``); every rank's tokens as TRL dealt
+        them and as they end, ``(world,)`` int64.
+    """
     cost = np.asarray(cost, dtype=np.int64)
     rank_of = deal_equal_counts(cost, world)
     before = cost.reshape(world, -1).sum(1)
-    after = np.bincount(rank_of, weights=cost, minlength=world)
-    return None if after.max() >= before.max() else rank_of
+    after = np.bincount(rank_of, weights=cost, minlength=world).astype(np.int64)
+    if after.max() >= before.max():
+        return None, before, before
+    return rank_of, before, after
 
 
 def balance_window(
@@ -172,11 +179,9 @@ def balance_window(
     prompt_len = padded["prompt_mask"].sum(1).cpu().numpy().astype(np.int64)
     completion_len = padded["completion_mask"].sum(1).cpu().numpy().astype(np.int64)
     cost = prompt_len + completion_len  # (world * rows,)
-    before = cost.reshape(world, rows).sum(1)
-    rank_of = deal_to_ranks(cost, world)
+    rank_of, before, after = deal_to_ranks(cost, world)
     if rank_of is None:  # TRL's deal is as even already: nothing moves
-        return batches, before, before
-    after = np.bincount(rank_of, weights=cost, minlength=world).astype(np.int64)
+        return batches, before, after
     mine = np.flatnonzero(rank_of == rank)
     slot_of = deal_equal_counts(cost[mine], accum)  # the rank's share into its micro-batches, evenly
     trimmed = [k for k in keys if padded[k].dim() == 2 and (width_of[k] == completion_width).all()]
