@@ -35,6 +35,7 @@ Usage::
     python benchmarks/planner_speed.py --quick         # 200k lengths, TRL on 50k (well under a minute)
     python benchmarks/planner_speed.py --json          # one JSON record per line
     python benchmarks/planner_speed.py --long-context  # long-context capacities only (seconds)
+    python benchmarks/planner_speed.py --also "packed[algorithm=bfd]"   # more rows, timed alike
 """
 
 from __future__ import annotations
@@ -470,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         "--long-n", type=int, default=50_000, help="heavy-tailed lengths of the long-context section (50k)"
     )
     parser.add_argument("--long-context", action="store_true", help="run the long-context section alone")
+    parser.add_argument(
+        "--also",
+        default="",
+        help='comma-separated rows timed after the default ones, e.g. "packed[algorithm=auto]"',
+    )
     args = parser.parse_args(argv)
     if args.long_context:
         records = long_context(args.long_n, args.repeat, args.seed)
@@ -503,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     ours: dict[str, dict] = {}
     before = time_argsort(lengths, args.repeat)  # numpy's stable argsort, the yardstick of this run
-    for name in DEFAULT_STRATEGIES:
+    also = [row.strip() for row in args.also.split(",") if row.strip()]
+    for name in (*DEFAULT_STRATEGIES, *also):
         rec = time_ours(lengths, name, args.batch_size, args.capacity, args.repeat, not args.no_memory)
         rec["capacity"] = args.capacity
         ours[name] = rec

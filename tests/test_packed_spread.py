@@ -3,7 +3,10 @@ over the rows best-fit-decreasing needs), a golden table and what it changes aga
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
+import pytest
 
 from smart_batching.planners import plan_batches
 from smart_batching.planners._packing_kernels import _CTZ_TABLE, best_fit_decreasing, spread_rows
@@ -11,21 +14,44 @@ from smart_batching.planners.packed import spread
 
 
 def test_spread_golden_table():
-    # 45 tokens fit 3 rows of 15, but spreading 9..1 over 3 rows overflows one (16): 4 rows.
+    # 45 tokens fit 3 rows of 15, but spreading 9..1 over 3 rows overflows one (13 + 3 = 16): 4 rows.
+    # Over 4: 9, 8, 7, 6 open the rows, 5..2 top them up to 11 each, and 1 goes to the row that reached
+    # 11 first (the one holding 6 and 5).
     lengths = np.array([9, 8, 7, 6, 5, 4, 3, 2, 1])
     plan = plan_batches(lengths, "packed", capacity=15, algorithm="spread", shuffle=False, seed=0)
-    assert [np.asarray(b).tolist() for b in plan] == [[0, 7, 8], [1, 6], [2, 5], [3, 4]]
-    assert [int(lengths[np.asarray(b)].sum()) for b in plan] == [12, 11, 11, 11]
+    assert [np.asarray(b).tolist() for b in plan] == [[0, 7], [1, 6], [2, 5], [3, 4, 8]]
+    assert [int(lengths[np.asarray(b)].sum()) for b in plan] == [11, 11, 11, 12]
 
 
 def test_spread_rows_is_longest_processing_time():
     sizes = np.array([10, 9, 5, 4, 4, 1])
     row_of, top = spread_rows(sizes, 2)
-    # 10 -> row 0, 9 -> row 1, 5 -> row 1 (9 < 10), 4 -> row 0 (10 < 14), 4 -> row 0 (14 = 14: the lower
-    # row), 1 -> row 1 (14 < 18).
-    assert row_of.tolist() == [0, 1, 1, 0, 0, 1] and top == 18
+    # 10 -> row 0, 9 -> row 1, 5 -> row 1 (9 < 10), 4 -> row 0 (10 < 14), 4 -> row 1 (14 = 14: row 1
+    # reached 14 first), 1 -> row 0 (14 < 18).
+    assert row_of.tolist() == [0, 1, 1, 0, 1, 0] and top == 18
     loads = np.bincount(row_of, weights=sizes)
-    assert loads.tolist() == [18.0, 15.0]
+    assert loads.tolist() == [15.0, 18.0]
+
+
+def test_spread_rows_matches_a_heap_of_longest_processing_time():
+    """The bucket queue against the textbook: a heap keyed by (load, the time the row reached it),
+    on random sorted sizes and row counts; and it refuses a mean load past its span."""
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        sizes = np.sort(rng.integers(1, 400, size=int(rng.integers(1, 600))))[::-1].copy()
+        num_rows = int(rng.integers(1, 80))
+        heap = [(0, r, r) for r in range(num_rows)]  # (load, arrival, row)
+        want, arrival = [], num_rows
+        for s in sizes.tolist():
+            load, _, row = heapq.heappop(heap)
+            want.append(row)
+            heapq.heappush(heap, (load + s, arrival, row))
+            arrival += 1
+        row_of, top = spread_rows(sizes, num_rows)
+        assert row_of.tolist() == want
+        assert top == max(load for load, _, _ in heap)
+    with pytest.raises(ValueError, match="num_rows"):
+        spread_rows(np.full(10, 1 << 25, dtype=np.int64), 1)
 
 
 def test_spread_mixes_lengths_at_near_bfd_rows():

@@ -3,7 +3,8 @@ number of rows (longest processing time), grouping by row.
 
 Each runs over sizes already sorted in decreasing order (numba, cached on disk): best-fit in O(n) plus
 O(1) word operations per item through a two-level bitmap, first-fit in O(n log rows) through a segment
-tree, row filling by subset sum on bitsets (see :func:`fill_rows`).
+tree, row filling by subset sum on bitsets (see :func:`fill_rows`), spreading in O(n) plus the mean load
+through a bucket queue over loads (see :func:`spread_rows`).
 """
 
 from __future__ import annotations
@@ -113,50 +114,70 @@ def _best_fit_decreasing(sizes, capacity, table, row_of, nxt):  # pragma: no cov
 
 def spread_rows(sizes: np.ndarray, num_rows: int) -> tuple[np.ndarray, int]:
     """Longest-processing-time over sizes sorted in decreasing order: each item goes to the emptiest of
-    ``num_rows`` rows (ties to the lower row), through a binary min-heap: O(n log rows).
+    ``num_rows`` rows; among rows of equal load, to the one that reached that load first (rows start
+    empty in the order 0, 1, ...). O(n + total / num_rows + largest size).
 
     The first ``num_rows`` items open one row each and every later round tops the emptiest rows up, so
     each row holds about one item of every stretch of ``num_rows`` consecutive sizes: long and short
     together, with loads within the last item placed of each other.
 
+    A bucket queue over loads rather than a heap: the emptiest row's load never falls (the row taken
+    grows by its item, the others keep theirs), so a pointer to the lowest non-empty bucket only moves
+    forward, and no load passes ``total // num_rows + sizes[0]`` (the row taken holds at most the mean).
+    Rows of one load wait in a first-in first-out list.
+
     Returns:
         (row_of, max_load): (n,) row of each item, and the largest row's tokens.
     """
-    row_of = empty(sizes.shape[0])
-    return row_of, int(
-        _spread_rows(sizes, num_rows, row_of, np.zeros(num_rows, dtype=np.int64), empty(num_rows))
-    )
+    n = sizes.shape[0]
+    if num_rows < 1:
+        raise ValueError(f"spread_rows needs at least one row, got num_rows={num_rows}")
+    span = (int(sizes.sum()) // num_rows + int(sizes[0]) + 1) if n else 1
+    if span > MAX_SPREAD_SPAN:
+        raise ValueError(
+            f"spread_rows: a mean load of {span:,} tokens per row is more than the bucket queue holds "
+            f"({MAX_SPREAD_SPAN:,}); spread over more rows (num_rows={num_rows})"
+        )
+    row_of = empty(n)
+    head = np.full(span, -1, dtype=np.int64)  # (span,) first row of each load, -1: none
+    tail = np.full(span, -1, dtype=np.int64)  # (span,) last row of each load
+    nxt = empty(num_rows)  # (num_rows,) the row after each in its load's list
+    return row_of, int(_spread_rows(sizes, num_rows, row_of, head, tail, nxt))
+
+
+MAX_SPREAD_SPAN = 1 << 26
+"""Most loads :func:`spread_rows`'s bucket queue spans (512 MiB of lists); ``packed`` spreads over rows
+of at most :data:`~smart_batching.planners.packed.MAX_CAPACITY` tokens on average."""
 
 
 @njit(cache=True, nogil=True)
-def _spread_rows(sizes, num_rows, row_of, load, heap):  # pragma: no cover - compiled
-    """:func:`spread_rows` into ``row_of``; ``heap`` holds rows keyed by (load, row). Returns the
-    largest load."""
-    for r in range(num_rows):
-        heap[r] = r  # all loads 0: ordered by row
+def _spread_rows(sizes, num_rows, row_of, head, tail, nxt):  # pragma: no cover - compiled
+    """:func:`spread_rows` into ``row_of``; ``head``/``tail`` hold each load's list of rows (-1 when
+    empty), ``nxt`` links them. Returns the largest load."""
+    for r in range(num_rows - 1):
+        nxt[r] = r + 1
+    nxt[num_rows - 1] = -1
+    head[0] = 0
+    tail[0] = num_rows - 1
+    low = 0  # the emptiest rows' load
     top = 0
     for i in range(sizes.shape[0]):
-        row = heap[0]
+        while head[low] < 0:
+            low += 1
+        row = head[low]
+        head[low] = nxt[row]
+        if head[low] < 0:
+            tail[low] = -1
+        grown = low + sizes[i]
         row_of[i] = row
-        load[row] += sizes[i]
-        if load[row] > top:
-            top = load[row]
-        j = 0  # sift the grown row down
-        while True:
-            c = 2 * j + 1
-            if c >= num_rows:
-                break
-            if c + 1 < num_rows and (
-                load[heap[c + 1]] < load[heap[c]]
-                or (load[heap[c + 1]] == load[heap[c]] and heap[c + 1] < heap[c])
-            ):
-                c += 1
-            if load[heap[c]] < load[row] or (load[heap[c]] == load[row] and heap[c] < row):
-                heap[j] = heap[c]
-                j = c
-            else:
-                break
-        heap[j] = row
+        if grown > top:
+            top = grown
+        nxt[row] = -1
+        if tail[grown] < 0:
+            head[grown] = row
+        else:
+            nxt[tail[grown]] = row
+        tail[grown] = row
     return top
 
 

@@ -16,8 +16,9 @@ the lower bound.
 
 ``spread`` mixes lengths in every row instead of filling rows tightly: longest processing time (each
 example, longest first, into the emptiest of as many rows as BFD needs, more where one would overflow;
-a min-heap, O(n log rows) per pass). 1M lognormal lengths at capacity 4,096: 0.25 s, rows 99.55 % full
-(BFD: 0.05 s, 99.97 %).
+a bucket queue over loads, O(n) plus the mean load per pass). Lognormal lengths (median 149) at capacity
+4,096: 1M in 0.05 s, rows 99.55 % full; 10M in 0.56 s, 99.51 % (BFD: 0.04 and 0.40 s, 99.97 %; ``auto``:
+0.15 and 0.75 s, 100.00 and 99.97 %).
 """
 
 from __future__ import annotations
