@@ -82,3 +82,6 @@ def test_spread_grows_rows_until_none_overflows():
     # Spread over the rows BFD needs, the fullest row overflows here: spread took more rows.
     _, bfd_rows = best_fit_decreasing(sizes, 120, _CTZ_TABLE)
     assert spread_rows(sizes, bfd_rows)[1] > 120 and num_rows > bfd_rows
+    # ... and the fewest that fit: bisection between the counts that overflow and fit, so one row fewer
+    # overflows.
+    assert spread_rows(sizes, num_rows - 1)[1] > 120

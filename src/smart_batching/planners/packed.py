@@ -16,9 +16,12 @@ the lower bound.
 
 ``spread`` mixes lengths in every row instead of filling rows tightly: longest processing time (each
 example, longest first, into the emptiest of as many rows as BFD needs, more where one would overflow;
-a bucket queue over loads, O(n) plus the mean load per pass). Lognormal lengths (median 149) at capacity
-4,096: 1M in 0.05 s, rows 99.55 % full; 10M in 0.56 s, 99.51 % (BFD: 0.04 and 0.40 s, 99.97 %; ``auto``:
-0.15 and 0.75 s, 100.00 and 99.97 %).
+a bucket queue over loads, O(n) plus the mean load per pass; where rows overflow, more rows and then a
+bisection to the fewest that fit). Lognormal lengths (median 149) at capacity 4,096: 1M in 0.08 s, rows
+99.72 % full; 10M in 0.88 s, 99.66 % (BFD: 0.04 and 0.41 s, 99.97 %; ``auto``: 0.10 and 0.42 s, 100.00
+and 99.97 %; ``benchmarks/spread_speed.py``). Longest processing time leaves rows as far apart as the
+last round's examples are long, so it fills worse where few examples share a row (a stream of about 7
+to a row at capacity 2,048: 98.25 %).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ AUTO_FILL_MAX = 2_000_000
 # Up to this many examples, `auto` then repairs the plan by large-neighbourhood search (below).
 REFINE_MAX = 200_000
 REFINE_ITERS = 400
+SPREAD_BISECT = 8  # bisection passes of `spread` between a row count that overflows and one that fits
 # and once it has spent this many bitset word operations per example (each pooled example costs about
 # one subset-sum layer of capacity / 64 words): work linear in n at any capacity. No shared dataset
 # reaches it at capacities up to 4,096 (SGD dialogues at 1,024: about 600 per example).
@@ -287,18 +291,33 @@ def pack(sizes: np.ndarray, capacity: int, algorithm: str = "auto") -> tuple[np.
 def spread(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     """Rows of mixed lengths: sizes (decreasing) spread over the fewest rows BFD needs, longest first into
     the emptiest row (:func:`~._packing_kernels.spread_rows`); where the fullest row overflows
-    ``capacity``, over more rows (enough for the mean row to sit as far below capacity as the fullest
-    stood above the mean, at least one more: a few O(n log rows) passes). Rows that stay empty (more
-    rows than sizes) are dropped."""
+    ``capacity``, over more rows: first enough for the mean row to sit as far below capacity as the
+    fullest stood above the mean (at least one more), then bisection between the last count that
+    overflowed and the first that fits, keeping the fewest rows found to fit (up to
+    :data:`SPREAD_BISECT` more O(n) passes). Rows that stay empty (more rows than sizes) are dropped."""
     _, num_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
+    low = num_rows  # the most rows known to overflow, once one has
+    overflowed = False
     while True:
         row_of, top = spread_rows(sizes, num_rows)
         if top <= capacity or num_rows >= sizes.shape[0]:
             break
+        overflowed, low = True, num_rows
         # The fullest row stands (top - mean) above the mean: aim the mean that far below capacity.
         total = int(sizes.sum())
         room = max(capacity - (top - total / num_rows), capacity / 2)
         num_rows = max(num_rows + 1, int(np.ceil(total / room)))
+    if overflowed and top <= capacity:
+        high = num_rows  # fits
+        for _ in range(SPREAD_BISECT):
+            if high - low <= 1:
+                break
+            mid = (low + high) // 2
+            mid_row_of, mid_top = spread_rows(sizes, mid)
+            if mid_top <= capacity:
+                high, row_of, num_rows = mid, mid_row_of, mid
+            else:
+                low = mid
     used = np.bincount(row_of, minlength=num_rows) > 0  # (num_rows,)
     if not used.all():
         row_of = (np.cumsum(used) - 1)[row_of]
