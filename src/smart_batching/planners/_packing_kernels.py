@@ -112,6 +112,50 @@ def _best_fit_decreasing(sizes, capacity, table, row_of, nxt):  # pragma: no cov
     return num_rows
 
 
+def best_fit_into(
+    sizes: np.ndarray, capacity: int, room: np.ndarray, table: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing into rows that already hold something: ``room`` (rows,) is each row's free
+    tokens (0 to ``capacity``); each item (sizes decreasing) goes to the fullest row it fits, or opens a
+    row after them. Returns ``(row_of, num_rows)``, rows numbered from 0 (the given ones first)."""
+    n = sizes.shape[0]
+    row_of = empty(n)
+    return row_of, _best_fit_into(sizes, capacity, room, table, row_of, empty(n + room.shape[0] + 1))
+
+
+@njit(cache=True, nogil=True)
+def _best_fit_into(sizes, capacity, room, table, row_of, nxt):  # pragma: no cover - compiled
+    """:func:`best_fit_into` into ``row_of``; ``nxt`` is scratch (next row in the same bucket)."""
+    head = np.full(capacity + 1, -1, dtype=np.int64)  # first row in each remaining-capacity bucket
+    nw0 = (capacity + 64) // 64
+    l0 = np.zeros(nw0, dtype=np.uint64)
+    l1 = np.zeros((nw0 + 63) // 64, dtype=np.uint64)
+    num_rows = room.shape[0]
+    for row in range(num_rows):
+        rem = room[row]
+        nxt[row] = head[rem]
+        head[rem] = row
+        _set_bit(l0, l1, rem)
+    for i in range(sizes.shape[0]):
+        s = sizes[i]
+        r = _next_set(l0, l1, s, table)
+        if r < 0:
+            row = num_rows
+            num_rows += 1
+            rem = capacity - s
+        else:
+            row = head[r]
+            head[r] = nxt[row]
+            if head[r] < 0:
+                _clear_bit(l0, l1, r)
+            rem = r - s
+        row_of[i] = row
+        nxt[row] = head[rem]
+        head[rem] = row
+        _set_bit(l0, l1, rem)
+    return num_rows
+
+
 def spread_rows(sizes: np.ndarray, num_rows: int) -> tuple[np.ndarray, int]:
     """Longest-processing-time over sizes sorted in decreasing order: each item goes to the emptiest of
     ``num_rows`` rows; among rows of equal load, to the one that reached that load first (rows start
