@@ -92,11 +92,37 @@ def test_spread_grows_rows_until_none_overflows():
     assert spread_rows(sizes, num_rows - 1)[1] > 120
 
 
-def test_best_fit_into_empty_rows_is_best_fit_decreasing():
-    sizes = np.sort(np.random.default_rng(3).integers(1, 300, size=3000))[::-1].copy()
-    want, want_rows = best_fit_decreasing(sizes, 1024, _CTZ_TABLE)
-    got, got_rows = best_fit_into(sizes, 1024, np.zeros(0, dtype=np.int64), _CTZ_TABLE)
-    assert got_rows == want_rows and got.tolist() == want.tolist()
+def reference_best_fit(sizes: list[int], capacity: int, room: list[int]) -> tuple[list[int], int]:
+    """Best fit by a scan of every row: the fullest row (least room) the item fits, ties to the row
+    that reached that room last (the kernel's buckets are last-in first-out), else a new row."""
+    room, when, row_of = list(room), list(range(len(room))), []
+    for t, s in enumerate(sizes, start=len(room)):
+        fits = [r for r in range(len(room)) if room[r] >= s]
+        if fits:
+            row = min(fits, key=lambda r: (room[r], -when[r]))
+        else:
+            row = len(room)
+            room.append(capacity)
+            when.append(t)
+        room[row] -= s
+        when[row] = t
+        row_of.append(row)
+    return row_of, len(room)
+
+
+def test_best_fit_matches_a_scan_of_every_row():
+    """``best_fit_into`` (and ``best_fit_decreasing``, no given rows) against a scan of every row, on
+    random decreasing sizes with and without given rows; and a hand-checked case."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        sizes = np.sort(rng.integers(1, 300, size=int(rng.integers(1, 400))))[::-1].copy()
+        room = rng.integers(0, 1025, size=int(rng.integers(0, 30)))
+        for given in (room, np.zeros(0, dtype=np.int64)):
+            want, want_rows = reference_best_fit(sizes.tolist(), 1024, given.tolist())
+            got, got_rows = best_fit_into(sizes, 1024, given, _CTZ_TABLE)
+            assert got_rows == want_rows and got.tolist() == want
+        bfd, bfd_rows = best_fit_decreasing(sizes, 1024, _CTZ_TABLE)
+        assert (bfd.tolist(), bfd_rows) == reference_best_fit(sizes.tolist(), 1024, [])
     # Given rows take items first, the fullest that fits: rooms 5 and 9; 7 fits only the second.
     row_of, num_rows = best_fit_into(np.array([7, 4, 4]), 10, np.array([5, 9]), _CTZ_TABLE)
     assert row_of.tolist() == [1, 0, 2] and num_rows == 3

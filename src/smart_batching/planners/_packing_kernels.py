@@ -68,6 +68,9 @@ def _next_set(l0, l1, v, table):  # pragma: no cover - compiled
     return w * 64 + _ctz(l0[w], table)
 
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)  # best-fit-decreasing: best fit into no given rows
+
+
 def best_fit_decreasing(sizes: np.ndarray, capacity: int, table: np.ndarray) -> tuple[np.ndarray, int]:
     """Best-fit over sizes sorted in decreasing order: each item goes to the fullest row it fits.
 
@@ -77,39 +80,7 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, table: np.ndarray) -> 
     Returns:
         (row_of, num_rows): (n,) row index of each item (rows numbered in opening order), row count.
     """
-    n = sizes.shape[0]
-    row_of = empty(n)
-    return row_of, _best_fit_decreasing(sizes, capacity, table, row_of, empty(n + 1))
-
-
-@njit(cache=True, nogil=True)
-def _best_fit_decreasing(sizes, capacity, table, row_of, nxt):  # pragma: no cover - compiled
-    """:func:`best_fit_decreasing` into ``row_of``; ``nxt`` is scratch of n + 1 (next row in the same
-    bucket). Returns the row count."""
-    n = sizes.shape[0]
-    head = np.full(capacity + 1, -1, dtype=np.int64)  # first row in each remaining-capacity bucket
-    nw0 = (capacity + 64) // 64
-    l0 = np.zeros(nw0, dtype=np.uint64)
-    l1 = np.zeros((nw0 + 63) // 64, dtype=np.uint64)
-    num_rows = 0
-    for i in range(n):
-        s = sizes[i]
-        r = _next_set(l0, l1, s, table)
-        if r < 0:
-            row = num_rows
-            num_rows += 1
-            rem = capacity - s
-        else:
-            row = head[r]
-            head[r] = nxt[row]
-            if head[r] < 0:
-                _clear_bit(l0, l1, r)
-            rem = r - s
-        row_of[i] = row
-        nxt[row] = head[rem]
-        head[rem] = row
-        _set_bit(l0, l1, rem)
-    return num_rows
+    return best_fit_into(sizes, capacity, _NO_ROWS, table)
 
 
 def best_fit_into(
@@ -125,7 +96,8 @@ def best_fit_into(
 
 @njit(cache=True, nogil=True)
 def _best_fit_into(sizes, capacity, room, table, row_of, nxt):  # pragma: no cover - compiled
-    """:func:`best_fit_into` into ``row_of``; ``nxt`` is scratch (next row in the same bucket)."""
+    """:func:`best_fit_into` (and :func:`best_fit_decreasing`, no given rows) into ``row_of``; ``nxt`` is
+    scratch of n + rows + 1 (next row in the same remaining-capacity bucket). Returns the row count."""
     head = np.full(capacity + 1, -1, dtype=np.int64)  # first row in each remaining-capacity bucket
     nw0 = (capacity + 64) // 64
     l0 = np.zeros(nw0, dtype=np.uint64)

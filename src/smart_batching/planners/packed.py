@@ -65,8 +65,6 @@ AUTO_FILL_MAX = 2_000_000
 # Up to this many examples, `auto` then repairs the plan by large-neighbourhood search (below).
 REFINE_MAX = 200_000
 REFINE_ITERS = 400
-SPREAD_BISECT = 8  # bisection passes of `spread` between a row count that overflows and one that fits
-SPREAD_FIT_TAIL = 0.1  # `spread_fit`: the shortest examples holding this share of the tokens fill the gaps
 # and once it has spent this many bitset word operations per example (each pooled example costs about
 # one subset-sum layer of capacity / 64 words): work linear in n at any capacity. No shared dataset
 # reaches it at capacities up to 4,096 (SGD dialogues at 1,024: about 600 per example).
@@ -76,6 +74,8 @@ REFINE_WORK = 1_000
 # where it would spend far more than the row it could still save.
 LONG_CONTEXT = 8192
 REFINE_TOLERANCE = 1e-3
+SPREAD_BISECT = 8  # bisection passes of `spread` between a row count that overflows and one that fits
+SPREAD_FIT_TAIL = 0.1  # `spread_fit`: the shortest examples holding this share of the tokens fill the gaps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,18 +306,17 @@ def spread(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     overflowed and the first that fits, keeping the fewest rows found to fit (up to
     :data:`SPREAD_BISECT` more O(n) passes). Rows that stay empty (more rows than sizes) are dropped."""
     _, num_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
-    low = num_rows  # the most rows known to overflow, once one has
-    overflowed = False
+    low = num_rows  # the most rows known to overflow (none: the first count, which then fits)
     while True:
         row_of, top = spread_rows(sizes, num_rows)
         if top <= capacity or num_rows >= sizes.shape[0]:
             break
-        overflowed, low = True, num_rows
+        low = num_rows
         # The fullest row stands (top - mean) above the mean: aim the mean that far below capacity.
         total = int(sizes.sum())
         room = max(capacity - (top - total / num_rows), capacity / 2)
         num_rows = max(num_rows + 1, int(np.ceil(total / room)))
-    if overflowed and top <= capacity:
+    if top <= capacity:
         high = num_rows  # fits
         for _ in range(SPREAD_BISECT):
             if high - low <= 1:
@@ -328,11 +327,15 @@ def spread(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
                 high, row_of, num_rows = mid, mid_row_of, mid
             else:
                 low = mid
+    return _without_empty_rows(row_of, num_rows)
+
+
+def _without_empty_rows(row_of: np.ndarray, num_rows: int) -> tuple[np.ndarray, int]:
+    """``(row_of, num_rows)`` with the rows that hold nothing dropped, the others numbered in order."""
     used = np.bincount(row_of, minlength=num_rows) > 0  # (num_rows,)
-    if not used.all():
-        row_of = (np.cumsum(used) - 1)[row_of]
-        num_rows = int(used.sum())
-    return row_of, int(num_rows)
+    if used.all():
+        return row_of, int(num_rows)
+    return (np.cumsum(used) - 1)[row_of], int(used.sum())
 
 
 def spread_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
@@ -355,12 +358,7 @@ def spread_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
         num_rows += max(1, num_rows // 100)
     load = np.bincount(head_row, weights=head, minlength=num_rows).astype(np.int64)  # (num_rows,)
     tail_row, num_rows = best_fit_into(sizes[n - tail :], capacity, capacity - load, _CTZ_TABLE)
-    row_of = np.concatenate([head_row, tail_row])
-    used = np.bincount(row_of, minlength=num_rows) > 0  # (num_rows,)
-    if not used.all():
-        row_of = (np.cumsum(used) - 1)[row_of]
-        num_rows = int(used.sum())
-    return row_of, int(num_rows)
+    return _without_empty_rows(np.concatenate([head_row, tail_row]), num_rows)
 
 
 def _pack_window(
