@@ -63,8 +63,11 @@ tokens per epoch each (the whole model's forward pass is most of a step's cost, 
 token), no truncation (SGD's loss is on its last reply, LIMA's lengths are what is studied), and the
 held-out loss every half epoch (GSM8K, HumanEval) or at epoch ends (SGD, LIMA: longer held-out
 examples)."""
-ROWS = ("random", "group_by_length", "token_budget", "packed", "packed[spread]", "trl_packing")
-CANDIDATES = ("group_by_length[loss_normalization=epoch]", "packed[loss_normalization=epoch]")
+ROWS = (
+    "random", "group_by_length", "token_budget", "packed[auto]", "packed[spread]", "packed[spread_fit]", "trl_packing",
+)  # fmt: skip
+"""``packed[spread_fit]`` is ``packed``'s default since issue 34; ``packed[auto]`` the default before."""
+CANDIDATES = ("group_by_length[loss_normalization=epoch]", "packed[algorithm=auto,loss_normalization=epoch]")
 """Rows of the first pass (``--strategies`` runs them): no better than their base rows anywhere there."""
 LOSS_ON = "completion"
 """What the bench's rows learn from, in every run's settings (and so its key): the completion, the prompt
@@ -72,6 +75,17 @@ masked by the data's ``prompt_length``. The first pass's runs (settings without 
 every token: the Trainer dropped ``prompt_length`` before the bench's counting collator
 (``remove_unused_columns``); ``trl_packing`` learned from the completion in both."""
 TRL = "trl_packing"
+LEGACY_ROWS = {
+    "packed": "packed[auto]",
+    "packed[loss_normalization=epoch]": "packed[algorithm=auto,loss_normalization=epoch]",
+}
+"""Row names of records that meant another plan when they ran: a bare ``packed`` ran ``auto``, its default
+until issue 34 made it ``spread_fit``. Reading a record maps its row through this table."""
+ROW_VERSIONS = {"packed[spread_fit]": 2}
+"""Rows whose planner changed after runs of them were recorded, and their current version (a record
+without one is version 1): the version is in a run's key and record, ``--current`` keeps the current
+version only and the report names an older one. ``packed[spread_fit]`` 2: never more rows than BFD (the
+tail share doubles while the first pass needs more), then refined to within 0.5 % of the lower bound."""
 BUDGET_SEEDS = range(10)
 KEEP = (
     "bench_id", "strategy", "strategy_options", "seed", "status", "skip_reason", "num_steps", "real_tokens",
@@ -91,8 +105,13 @@ class Run:
     settings_hash: str
 
     @property
-    def key(self) -> tuple[str, str, int, str]:
-        return (self.task, self.row, self.seed, self.settings_hash)
+    def key(self) -> tuple[str, str, int, str, int]:
+        return (self.task, self.row, self.seed, self.settings_hash, ROW_VERSIONS.get(self.row, 1))
+
+
+def record_row(study: dict[str, Any]) -> tuple[str, int]:
+    """A record's row (its legacy name mapped, :data:`LEGACY_ROWS`) and row version."""
+    return LEGACY_ROWS.get(study.get("row"), study.get("row")), int(study.get("row_version", 1))
 
 
 def task_settings(task: str, opts: argparse.Namespace) -> dict[str, Any]:
@@ -143,9 +162,9 @@ def matched_budgets(task: str, settings: dict[str, Any], data: Path, rows: list[
     )  # fmt: skip
     lengths, b = prepared.lengths, settings["batch_size"]
     mt, cap = _resolve_sizes(lengths, b, None, None)
-    planned = sorted({*(r for r in rows if r != TRL), "packed"})
+    planned = sorted({*(r for r in rows if r != TRL), "packed[auto]"})
     budgets = bench_budgets(lengths, planned, b, mt, cap, BUDGET_SEEDS)
-    budgets[TRL] = budgets["packed"]
+    budgets[TRL] = budgets["packed[auto]"]
     return {"max_tokens": mt, "capacity": cap, "rows": budgets}
 
 
@@ -155,6 +174,12 @@ def study_runs(opts: argparse.Namespace, folder: Path) -> tuple[list[Run], dict[
     from smart_batching.planners import split_strategies
 
     rows = split_strategies(opts.strategies)
+    legacy = [r for r in rows if r in LEGACY_ROWS]
+    if legacy:
+        raise SystemExit(
+            f"rows {legacy} name no packing algorithm, and their records mean `auto` (LEGACY_ROWS): name it, "
+            f"e.g. {LEGACY_ROWS[legacy[0]]!r} or 'packed[spread_fit]' (the default now)"
+        )
     runs, files = [], {}
     for task in [t.strip() for t in opts.tasks.split(",") if t.strip()]:
         if task not in TASKS:
@@ -181,11 +206,11 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def done_keys(path: Path) -> set[tuple[str, str, int, str]]:
+def done_keys(path: Path) -> set[tuple[str, str, int, str, int]]:
     keys = set()
     for r in read_results(path):
         s = r.get("study") or {}
-        keys.add((s.get("task"), s.get("row"), s.get("seed"), s.get("settings_hash")))
+        keys.add((s.get("task"), *record_row(s)[:1], s.get("seed"), s.get("settings_hash"), record_row(s)[1]))
     return keys
 
 
@@ -237,7 +262,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             (record,) = run_bench(str(spec["data"]), strategies=[row], seeds=[seed], out_dir=tmp, **common)
     out = {k: record[k] for k in KEEP if k in record}
     out["study"] = {"task": task, "row": row, "seed": seed, "settings_hash": spec["settings_hash"],
-                    "settings": s, "threads": spec["threads"]}  # fmt: skip
+                    "settings": s, "threads": spec["threads"], "row_version": ROW_VERSIONS.get(row, 1)}  # fmt: skip
     out["strategy"] = row
     return out
 
@@ -364,8 +389,11 @@ def report(
     for path in paths:
         for r in read_results(Path(path)):
             s = r["study"]
-            if keep is not None and s["settings_hash"] not in keep:
+            row, version = record_row(s)
+            current = version == ROW_VERSIONS.get(row, 1)
+            if keep is not None and (s["settings_hash"] not in keep or not current):
                 continue
+            r = {**r, "strategy": row if current else f"{row} v{version}"}
             groups.setdefault((s["task"], s["settings_hash"]), []).append(r)
     rows, by_task = [], {}
     for (task, key), records in groups.items():

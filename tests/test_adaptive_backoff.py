@@ -37,7 +37,12 @@ from smart_batching.hf.adaptive import BackoffExhaustedError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-STRATEGIES = {"token_budget": {"max_tokens": 192}, "packed": {"capacity": 160}}
+# `packed` pinned to the tightest packing (`auto`): these tests compare weights after a split with the
+# unsplit run at 5e-5, and the default `spread_fit` rows of mixed lengths split into micro-batches whose
+# summation order differs more; Adam divides by the root of near-zero second moments on a few embedding
+# entries and amplifies that float noise (measured with `spread_fit`: 1.6e-4; with `spread`, 8e-4 on one
+# entry while the losses agreed).
+STRATEGIES = {"token_budget": {"max_tokens": 192}, "packed": {"capacity": 160, "algorithm": "auto"}}
 
 
 def features(n: int = 7, seed: int = 0) -> list[dict]:

@@ -167,7 +167,7 @@ def test_golden_packed_fill_beats_bfd() -> None:
     lengths = [2, 13, 4, 10, 11, 5, 8, 6]
     bfd = sb.plan_batches(lengths, "packed", capacity=20, algorithm="bfd", shuffle=False)
     fill = sb.plan_batches(lengths, "packed", capacity=20, algorithm="fill", shuffle=False)
-    auto = sb.plan_batches(lengths, "packed", capacity=20, shuffle=False)
+    auto = sb.plan_batches(lengths, "packed", capacity=20, algorithm="auto", shuffle=False)
     assert bfd.stats().num_rows == 4
     assert fill.to_lists() == [[1, 5, 0], [4, 6], [3, 7, 2]]
     assert fill.stats().num_rows == fill.stats().lower_bound_rows == 3

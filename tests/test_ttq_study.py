@@ -23,7 +23,7 @@ def _options(tmp_path, **overrides):
     import argparse
 
     values = {
-        "tasks": "gsm8k", "strategies": "random,packed", "seed_list": [0, 1], "epochs": 1, "num_examples": 12,
+        "tasks": "gsm8k", "strategies": "random,packed[spread_fit]", "seed_list": [0, 1], "epochs": 1, "num_examples": 12,
         "eval_examples": 4, "eval_every": None, "humaneval_file": None, "threads": 1, "jobs": 2,
         "budget_hours": None, "device": "cpu", "trainable_layers": 2, "results": str(tmp_path / "results.jsonl"),
         "logs": str(tmp_path / "logs"),
@@ -32,21 +32,28 @@ def _options(tmp_path, **overrides):
     return argparse.Namespace(**values)
 
 
-def _study_record(run, loss=1.0):
-    return {"strategy": run.row, "seed": run.seed, "status": "ok",
-            "study": {"task": run.task, "row": run.row, "seed": run.seed, "settings_hash": run.settings_hash}}  # fmt: skip
+def _study_record(run, version=None):
+    study = {"task": run.task, "row": run.row, "seed": run.seed, "settings_hash": run.settings_hash}
+    if version is not None:
+        study["row_version"] = version
+    return {"strategy": run.row, "seed": run.seed, "status": "ok", "study": study}
 
 
 @pytest.mark.skipif(not GSM8K.is_file(), reason="../shared/data/gsm8k not present")
 def test_recorded_runs_are_skipped_and_settings_change_the_key(tmp_path):
     opts = _options(tmp_path)
     runs, _ = ttq_study.study_runs(opts, tmp_path)
-    assert [(r.row, r.seed) for r in runs] == [("random", 0), ("packed", 0), ("random", 1), ("packed", 1)]
+    row = "packed[spread_fit]"
+    assert [(r.row, r.seed) for r in runs] == [("random", 0), (row, 0), ("random", 1), (row, 1)]
     # packed's budget is matched over the fixed seeds, whatever seeds this study has
-    assert runs[1].settings["budgets"]["rows"]["packed"] == runs[3].settings["budgets"]["rows"]["packed"]
+    assert runs[1].settings["budgets"]["rows"][row] == runs[3].settings["budgets"]["rows"][row]
     results = Path(opts.results)
+    # Records of spread_fit's first version (no row_version) do not count as its current runs.
     for run in runs:
         ttq_study.append_result(results, _study_record(run))
+    assert {r.key for r in runs} - ttq_study.done_keys(results) == {r.key for r in runs if r.row == row}
+    for run in runs[1::2]:
+        ttq_study.append_result(results, _study_record(run, version=ttq_study.ROW_VERSIONS[row]))
     before = results.read_bytes()
     assert ttq_study.run_study(opts) == 0  # everything is recorded: nothing launched
     assert results.read_bytes() == before
@@ -106,12 +113,39 @@ def test_report_reads_the_results_file_by_task_and_settings(tmp_path, capsys):
             record["study"] = {"task": "gsm8k", "row": row, "seed": seed, "settings_hash": "h1"}
             ttq_study.append_result(path, record)
     rows = {r["strategy"]: r for r in ttq_study.report([str(path)], None, as_json=True)}
-    assert rows["packed"]["epochs"][0]["diff_to_random"] == pytest.approx(-0.01)
-    assert rows["packed"]["task"] == "gsm8k" and rows["packed"]["seeds"] == 2
+    # A bare `packed` record ran `auto`, the default before issue 34 (LEGACY_ROWS).
+    assert rows["packed[auto]"]["epochs"][0]["diff_to_random"] == pytest.approx(-0.01)
+    assert rows["packed[auto]"]["task"] == "gsm8k" and rows["packed[auto]"]["seeds"] == 2
     # Targets across the runs' own bench ids: packed (1 % below random) reaches random's final loss.
-    assert rows["random"]["reached"] == 2 and rows["packed"]["reached"] == 2
-    assert rows["packed"]["ttt_wall"]["median"] == pytest.approx(1.0)
+    assert rows["random"]["reached"] == 2 and rows["packed[auto]"]["reached"] == 2
+    assert rows["packed[auto]"]["ttt_wall"]["median"] == pytest.approx(1.0)
     assert sum(line.startswith("{") for line in capsys.readouterr().out.splitlines()) == 2
+
+
+def test_report_keeps_the_current_row_version_and_names_older_ones(tmp_path):
+    path = tmp_path / "results.jsonl"
+    epochs = [0.0, 1.0]
+    for seed in range(2):
+        for row, loss, version in (("random", 8.0, None), ("packed[spread_fit]", 7.9, None),
+                                   ("packed[spread_fit]", 7.8, 2)):  # fmt: skip
+            record = _record(row, seed, [10.0, loss + seed / 10], [0, 3], epochs)
+            record["bench_id"] = f"{row}-{seed}-{version}"
+            record["study"] = {"task": "gsm8k", "row": row, "seed": seed, "settings_hash": "h1"}
+            if version:
+                record["study"]["row_version"] = version
+            ttq_study.append_result(path, record)
+    every = {r["strategy"] for r in ttq_study.report([str(path)], None, as_json=True)}
+    assert every == {"random", "packed[spread_fit]", "packed[spread_fit] v1"}
+    current = {r["strategy"]: r for r in ttq_study.report([str(path)], None, as_json=True, keep={"h1"})}
+    assert set(current) == {"random", "packed[spread_fit]"}
+    assert current["packed[spread_fit]"]["epochs"][0]["diff_to_random"] == pytest.approx(
+        -0.2 / 8.05, abs=0.01
+    )
+
+
+def test_a_row_without_its_algorithm_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="packed\\[auto\\]"):
+        ttq_study.study_runs(_options(tmp_path, strategies="random,packed"), tmp_path)
 
 
 def test_report_keeps_only_the_current_settings_when_asked(tmp_path):

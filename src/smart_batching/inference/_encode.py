@@ -110,7 +110,8 @@ def encode(
     slots = 0
     if packed:
         capacity = max(int(max_tokens), int(lengths.max(initial=1)))
-        plan = plan_batches(lengths, PackedSpec(capacity=capacity, shuffle=False))
+        # The fewest rows: nothing learns from these rows, so mixing lengths buys nothing here.
+        plan = plan_batches(lengths, PackedSpec(capacity=capacity, shuffle=False, algorithm="auto"))
         batches = list(plan)
     else:
         batches = _plan_indices(np.arange(n), lengths, max_tokens, max_batch_size)

@@ -15,7 +15,7 @@ name               what it does
 ``max_length``     shuffle, fixed batch size, pad every row to one length (baseline)
 ``group_by_length`` fixed batch size, similar lengths together (HF megabatches or full sort)
 ``token_budget``   variable batch size under a padded-token budget
-``packed``         several examples per fixed-capacity row, best-fit-decreasing
+``packed``         several examples per fixed-capacity row, rows of mixed lengths
 =================  ==========================================================================
 """
 

@@ -64,6 +64,7 @@ AUTO_BOTH_MAX = 1_000_000  # up to this many examples, `auto` tries both algorit
 AUTO_FILL_MAX = 2_000_000
 # Up to this many examples, `auto` then repairs the plan by large-neighbourhood search (below).
 REFINE_MAX = 200_000
+REFINED = ("auto", "spread_fit")  # the algorithms refined (`spread_fit` only to SPREAD_FIT_TOLERANCE)
 REFINE_ITERS = 400
 # and once it has spent this many bitset word operations per example (each pooled example costs about
 # one subset-sum layer of capacity / 64 words): work linear in n at any capacity. No shared dataset
@@ -76,6 +77,8 @@ LONG_CONTEXT = 8192
 REFINE_TOLERANCE = 1e-3
 SPREAD_BISECT = 8  # bisection passes of `spread` between a row count that overflows and one that fits
 SPREAD_FIT_TAIL = 0.1  # `spread_fit`: the shortest examples holding this share of the tokens fill the gaps
+SPREAD_FIT_TOLERANCE = 0.005  # `spread_fit` is refined to within this share of the lower bound
+SPREAD_FIT_TRIES = 4  # `spread_fit`: tail shares 0.1, 0.2, 0.4, then BFD
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,18 +88,21 @@ class PackedSpec(PlannerSpec):
     Attributes:
         capacity: tokens per row.
         rows_per_batch: rows per batch (a padding-free collator flattens them into one sequence).
-        algorithm: ``"bfd"`` (best-fit-decreasing), ``"fill"`` (row-by-row exact filling by subset sum),
-            ``"ffd"`` (first-fit-decreasing), or ``"auto"``: ``bfd`` where examples over half the capacity
-            set the lower bound or above 2M examples, else ``fill``; up to 1M examples, the other one
-            too when the first misses the bound, keeping the fewer rows; up to 200k examples, then
-            :func:`refine` (large-neighbourhood search) while above the lower bound.
-            ``"spread_fit"``: ``spread`` for the longest examples, then the shortest (a tenth of the
-            tokens) best-fit into the gaps: BFD's row fill with rows still of mixed lengths (plan-only
-            measurement; not in the learning study yet). ``"spread"`` mixes
-            lengths in every row instead: as many rows as ``bfd`` needs (more where they would overflow),
-            filled longest-processing-time (each example, longest first, into the emptiest row), so a
-            row holds long and short examples alike and rows hold near-equal tokens (a few rows more
-            than ``bfd``; ``benchmarks/step_weights.py``).
+        algorithm: ``"spread_fit"`` (the default): rows of mixed lengths, as tight as BFD's. The longest
+            examples (nine tenths of the tokens) are spread over the rows BFD needs, each into the
+            emptiest row (longest processing time), then the shortest best-fit into the gaps; never
+            more rows than BFD, and up to 200k examples refined to within half a percent of the lower
+            bound. Every row then holds long and short examples alike, so no optimizer step is one of
+            short examples only (the weight of a token stays level across lengths; the study in
+            benchmarks/RESULTS.md reached random's held-out loss sooner with it).
+            ``"auto"``: the fewest rows, with rows of like lengths: ``bfd`` where examples over half the
+            capacity set the lower bound or above 2M examples, else ``fill``; up to 1M examples, the
+            other one too when the first misses the bound, keeping the fewer rows; up to 200k examples,
+            then :func:`refine` (large-neighbourhood search) while above the lower bound.
+            ``"bfd"`` (best-fit-decreasing), ``"fill"`` (row-by-row exact filling by subset sum),
+            ``"ffd"`` (first-fit-decreasing). ``"spread"``: longest processing time over all the
+            examples, on as many rows as ``bfd`` needs (more where they would overflow): rows hold
+            near-equal tokens, a few rows more than ``bfd`` (``benchmarks/step_weights.py``).
         overlong: ``"error"``, ``"truncate"``, ``"split"`` or ``"drop"`` for examples over ``capacity``.
         shuffle: shuffle rows (True) or keep them in packing order (longest first).
         window: the randomness knob: pack only within shuffled windows of this many examples, drawn
@@ -111,14 +117,14 @@ class PackedSpec(PlannerSpec):
     """
 
     name: ClassVar[str] = "packed"
-    description: ClassVar[str] = "several examples per fixed-capacity row, best-fit-decreasing"
+    description: ClassVar[str] = "several examples per fixed-capacity row, rows of mixed lengths"
     packs_rows: ClassVar[bool] = True
     budget_option: ClassVar[str | None] = "capacity"
     variant_option: ClassVar[str | None] = "algorithm"
     option_limits: ClassVar[dict[str, int]] = {"capacity": MAX_CAPACITY}
     capacity: int = 4096
     rows_per_batch: int = 1
-    algorithm: str = "auto"
+    algorithm: str = "spread_fit"
     overlong: str = "error"
     shuffle: bool = True
     window: int | None = None
@@ -148,11 +154,11 @@ class PackedSpec(PlannerSpec):
         return {
             "": {"capacity": cap},
             "window": {"capacity": cap, "window": 37},
+            "auto": {"capacity": cap, "algorithm": "auto"},
             "bfd": {"capacity": cap, "algorithm": "bfd"},
             "ffd": {"capacity": cap, "algorithm": "ffd"},
             "fill,3 rows": {"capacity": cap, "algorithm": "fill", "rows_per_batch": 3},
             "spread": {"capacity": cap, "algorithm": "spread"},
-            "spread_fit": {"capacity": cap, "algorithm": "spread_fit"},
         }
 
     def token_limit(self) -> tuple[int | None, str]:
@@ -215,17 +221,20 @@ def refine(
     capacity: int,
     rng: np.random.Generator,
     iters: int = REFINE_ITERS,
+    tolerance: float | None = None,
 ) -> tuple[np.ndarray, int]:
     """Large-neighbourhood search toward the lower bound: repeatedly take the 1 % emptiest rows and
     eight times as many random full ones, pack their examples again (exact filling and BFD), and keep
-    the result when it needs fewer rows. Deterministic in ``rng``; stops at the lower bound (within
-    :data:`REFINE_TOLERANCE` of it from capacity :data:`LONG_CONTEXT` on), after ``iters`` rounds, or
+    the result when it needs fewer rows. Deterministic in ``rng``; stops within ``tolerance`` of the
+    lower bound (None: at it, or within :data:`REFINE_TOLERANCE` of it from capacity
+    :data:`LONG_CONTEXT` on), after ``iters`` rounds, or
     when the work bound :data:`REFINE_WORK` (bitset word operations per example) is spent, so its
     cost stays linear in n at any capacity. It pays where few examples share a row (short rows of
     long dialogues), where exact filling alone stays above the bound.
     """
     lower = packing_lower_bound(sizes, capacity)
-    tolerance = REFINE_TOLERANCE if capacity >= LONG_CONTEXT else 0.0
+    if tolerance is None:
+        tolerance = REFINE_TOLERANCE if capacity >= LONG_CONTEXT else 0.0
     good_enough = max(lower, int(lower * (1 + tolerance)))
     budget = REFINE_WORK * sizes.shape[0]
     words = capacity // 64 + 1  # bitset words of one subset-sum layer over a whole row
@@ -339,17 +348,37 @@ def _without_empty_rows(row_of: np.ndarray, num_rows: int) -> tuple[np.ndarray, 
 
 
 def spread_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Rows of mixed lengths filled as tightly as BFD: the longest examples, holding all but
-    :data:`SPREAD_FIT_TAIL` of the tokens, spread over the rows BFD needs (:func:`spread_rows`; more,
-    one percent at a time, where a row would overflow), then the shortest best-fit into the rows'
+    """Rows of mixed lengths filled as tightly as BFD: the longest examples, holding all but a tail share
+    of the tokens (:data:`SPREAD_FIT_TAIL` first), spread over the rows BFD needs (:func:`spread_rows`;
+    more, one percent at a time, where a row would overflow), then the shortest best-fit into the rows'
     gaps (:func:`~._packing_kernels.best_fit_into`), a new row where none fits. Longest processing
-    time alone leaves rows as far apart as its last examples are long; the short tail closes that gap."""
+    time alone leaves rows as far apart as its last examples are long; the short tail closes that gap.
+
+    Where few examples share a row (a long one and its fillers), spreading the head costs rows; while
+    the plan needs more rows than BFD's, the tail share doubles (at most :data:`SPREAD_FIT_TRIES`
+    passes; the last is BFD's plan itself), so it never needs more rows than BFD. :func:`plan_packed`
+    then refines it to within :data:`SPREAD_FIT_TOLERANCE` of the lower bound (:func:`refine`)."""
     n = sizes.shape[0]
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0
-    _, num_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
+    bfd_row_of, bfd_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
     from_short = np.cumsum(sizes[::-1])  # (n,) tokens of the k + 1 shortest
-    tail = int(np.searchsorted(from_short, SPREAD_FIT_TAIL * int(from_short[-1])))
+    share = SPREAD_FIT_TAIL
+    for _ in range(SPREAD_FIT_TRIES - 1):
+        row_of, num_rows = _spread_then_fit(sizes, capacity, bfd_rows, from_short, share)
+        if num_rows <= bfd_rows:
+            return row_of, num_rows
+        share *= 2
+    return bfd_row_of, int(bfd_rows)
+
+
+def _spread_then_fit(
+    sizes: np.ndarray, capacity: int, num_rows: int, from_short: np.ndarray, share: float
+) -> tuple[np.ndarray, int]:
+    """One pass of :func:`spread_fit`: the head (all but ``share`` of the tokens) spread over at least
+    ``num_rows`` rows, the tail best-fit into the gaps."""
+    n = sizes.shape[0]
+    tail = int(np.searchsorted(from_short, share * int(from_short[-1])))
     head = sizes[: n - tail]
     while True:
         head_row, top = spread_rows(head, num_rows)
@@ -372,8 +401,9 @@ def _pack_window(
         local, sizes = sort_by_length(seg_len[positions], rng, descending=True)
         by_size = positions[local]
     row_of, num_rows = pack(sizes, spec.capacity, spec.algorithm)
-    if spec.algorithm == "auto" and sizes.shape[0] <= REFINE_MAX:
-        row_of, num_rows = refine(sizes, row_of, num_rows, spec.capacity, rng)
+    if spec.algorithm in REFINED and sizes.shape[0] <= REFINE_MAX:
+        tolerance = SPREAD_FIT_TOLERANCE if spec.algorithm == "spread_fit" else None
+        row_of, num_rows = refine(sizes, row_of, num_rows, spec.capacity, rng, tolerance=tolerance)
     return by_size, sizes, row_of, num_rows
 
 
