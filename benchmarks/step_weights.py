@@ -39,10 +39,11 @@ from typing import Any
 import numpy as np
 
 STRATEGIES = (
-    "random", "group_by_length", "token_budget", "packed", "packed[window=32]", "group_by_length[window=32]",
-    "packed[costliest_first=False]", "token_budget[costliest_first=False]",
-    "group_by_length[loss_normalization=epoch]", "packed[loss_normalization=epoch]", "packed[spread]",
+    "random", "group_by_length", "token_budget", "packed", "packed[auto]", "packed[spread]", "packed[window=32]",
+    "group_by_length[window=32]", "packed[costliest_first=False]", "token_budget[costliest_first=False]",
+    "group_by_length[loss_normalization=epoch]", "packed[algorithm=auto,loss_normalization=epoch]",
 )  # fmt: skip
+"""``packed`` is its default, ``spread_fit`` (rows of mixed lengths); ``packed[auto]`` the tightest rows."""
 
 
 def step_weights(
