@@ -89,6 +89,11 @@ def test_the_demo_report_leads_with_the_runs_and_what_the_model_says(demo_record
     for row, r in zip(rows, records, strict=True):
         assert row[headers.index("held-out loss")] == f"{before:.3f} -> {r['eval']['loss']:.3f}"
         assert ("(worst" in row[headers.index("rank balance")]) == (r["world_size"] == 2)
+        weights = row[headers.index("token weight, short -> long")]
+        if r["world_size"] == 1:
+            assert len(r["token_weights"]) == 4 and weights == " ".join(f"{w:.2f}" for w in r["token_weights"])
+        else:  # several processes' steps are the balanced plan's: not measured
+            assert r["token_weights"] is None and weights == "-"
         assert "| " + " | ".join(row) + " |" in lead
     for k in range(2):  # per prompt: the initial weights' generation, then every run's, side by side
         assert f"| before fine-tuning | before {k} |" in lead

@@ -2,7 +2,8 @@
 
 ``tables`` plans every strategy side by side and reports padding, efficiency and the packing lower
 bound (:func:`analyze`, :func:`format_table`); ``randomness`` measures what grouping costs in batch
-randomness over two epochs (:func:`batch_randomness`); ``plots`` draws them (matplotlib, imported on use).
+randomness over two epochs (:func:`batch_randomness`); ``weights`` what a plan does to the weight of a
+token per length quarter (:func:`token_weights`); ``plots`` draws them (matplotlib, imported on use).
 """
 
 from smart_batching.analysis.randomness import batch_randomness
@@ -16,6 +17,7 @@ from smart_batching.analysis.tables import (
     length_summary,
     parse_strategy,
 )
+from smart_batching.analysis.weights import token_weights
 
 __all__ = [
     "DEFAULT_STRATEGIES",
@@ -27,4 +29,5 @@ __all__ = [
     "format_table",
     "length_summary",
     "parse_strategy",
+    "token_weights",
 ]

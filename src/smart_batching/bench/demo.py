@@ -183,12 +183,13 @@ def _ok(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def headline_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row per run: steps, wall time, speed-up over one-process ``random`` (same tokens, same cores),
     padding, peak memory, held-out loss before and after, the time to ``random``'s final held-out loss
-    (:func:`time_to_target_cell`), and the processes' balance."""
+    (:func:`time_to_target_cell`), the weight of a target token per length quarter (``token_weights``) and
+    the processes' balance."""
     ok = _ok(records)
     base = _baseline(records)
     devices = len({_device(r) for r in ok}) > 1  # then a speed-up across devices means nothing
     headers = ["run", "steps", "wall s", "speed-up", "padding", "peak MB", "held-out loss", "change",
-               "to target", "rank balance"]  # fmt: skip
+               "to target", "token weight, short -> long", "rank balance"]  # fmt: skip
     rows = []
     for r in ok:
         before = (r.get("eval_initial") or {}).get("loss")
@@ -207,6 +208,7 @@ def headline_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[s
                 "-" if before is None or after is None else f"{before:.3f} -> {after:.3f}",
                 "-" if not before or after is None else f"{100 * (after - before) / before:+.1f}%",
                 time_to_target_cell(r, records),
+                " ".join(f"{w:.2f}" for w in r["token_weights"]) if r.get("token_weights") else "-",
                 f"{bal['mean']:.2f} (worst {bal['max']:.2f})" if bal else "-",
             ]
         )
@@ -362,6 +364,11 @@ def demo_lead(
             "over `random`'s. It is read at the evaluations: the initial weights, "
             f"{_cadence(ok)}, and the end (evaluations off the clock; the multi-process run evaluates only at its "
             "end), so a run that gets there only at its end shows its whole training time.",
+            "`token weight, short -> long`: per quarter of the training examples by length, shortest first, the "
+            "weight its target tokens get in the run's plan over their share of the targets (a step's loss is the "
+            "mean over its own targets, so a token weighs one over its step's targets; 1.00 is uniform). Steps of "
+            "like lengths weigh the short examples' tokens more; `packed` fills every row with examples of "
+            "mixed lengths (its default, `algorithm=\"spread_fit\"`) to keep them level.",
             "`rank balance`: per optimizer step, the busiest process's token slots over the mean process's (1.00 is "
             "even; a step waits for its slowest process), the mean over the steps and the worst step.",
         ]

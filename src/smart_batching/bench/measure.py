@@ -24,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from smart_batching.analysis.weights import token_weights
 from smart_batching.collate import PaddingCollator
 from smart_batching.loss import count_target_tokens
+from smart_batching.planners import plan_batches
 
 try:
     from transformers import TrainerCallback
@@ -358,6 +360,31 @@ def plan_randomness(
     )
 
 
+def example_targets(data: Any) -> np.ndarray | None:
+    """(num_train,) the target tokens of each training example of a causal-LM bench: its tokens after the
+    prompt (``prompt_length``; at least the first, which no label predicts); None for classification."""
+    if data.task == "classification" or "input_ids" not in data.train.column_names:
+        return None
+    lengths = np.asarray(data.lengths, dtype=np.int64)
+    if "prompt_length" in data.train.column_names:
+        prompt = np.asarray(data.train["prompt_length"], dtype=np.int64)
+    else:
+        prompt = np.zeros_like(lengths)
+    return np.maximum(lengths - np.maximum(prompt, 1), 0)
+
+
+def plan_token_weights(
+    data: Any, strategy: str, options: Mapping[str, Any], seed: int
+) -> list[float] | None:
+    """The weight of a target token per length quarter (shortest first) over its share, in the run's epoch-0
+    plan (:func:`~smart_batching.analysis.weights.token_weights`); None without targets. Planned apart
+    from training, as :func:`plan_randomness`."""
+    targets = example_targets(data)
+    if targets is None or not targets.any():
+        return None
+    return token_weights(plan_batches(data.lengths, strategy, seed=seed, epoch=0, **options), targets)
+
+
 __all__ = [
     "ClassificationCollator",
     "CountingCollator",
@@ -366,8 +393,10 @@ __all__ = [
     "ProgressBar",
     "StepTimer",
     "classification_loss",
+    "example_targets",
     "examples_digest",
     "length_histogram",
     "percentiles",
     "plan_randomness",
+    "plan_token_weights",
 ]

@@ -22,7 +22,7 @@ RECORD_FIELDS = (
     "padding_ratio", "examples_digest",
     "wall_seconds", "cpu_seconds", "tokens_per_second", "samples_per_second", "step_seconds", "iteration_seconds",
     "peak_memory_mb", "peak_memory_mb_per_rank", "memory_kind", "loss_curve", "train_loss_final", "eval", "eval_initial",
-    "task_metric", "generations", "dropped", "planned", "randomness", "fallbacks", "schedule", "oom_backoff", "data",
+    "task_metric", "generations", "dropped", "planned", "randomness", "token_weights", "fallbacks", "schedule", "oom_backoff", "data",
     "settings", "versions", "machine", "rank_balance",
 )  # fmt: skip
 """Top-level fields of a record (``status="skipped"`` records carry ``skip_reason`` and no measurements).
@@ -36,7 +36,10 @@ prompt masked: the completions' tokens, each row's first excluded). ``fallbacks`
 paths the run took, by kind (:mod:`smart_batching.fallbacks`; ``{}`` when none, summed over processes).
 ``randomness`` is how random the strategy's batches are, from its plans for epochs 0 and 1 with the run's
 seed (``order_corr``, ``pair_repeat``, ``pair_repeat_random``: see
-:func:`~smart_batching.analysis.batch_randomness`). ``schedule`` is the batch schedule as the run realised
+:func:`~smart_batching.analysis.batch_randomness`). ``token_weights`` is what its epoch-0 plan does to the
+weight of a target token per length quarter of the examples, shortest first, over its share (four
+floats, 1.0 uniform; :func:`~smart_batching.analysis.token_weights`; None for classification and for
+runs on several processes). ``schedule`` is the batch schedule as the run realised
 it (``tokens``, ``size`` and ``target`` of every optimizer step, all processes; None without
 ``batch_schedule``), ``oom_backoff`` what the out-of-memory back-off did (its budget, ``num_backoffs``,
 ``num_failures``, ``failed_seconds``, events; None when off). ``eval_initial`` is the evaluation of the initial

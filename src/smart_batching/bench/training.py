@@ -21,7 +21,7 @@ import numpy as np
 
 from smart_batching.bench.frozen_prefix import FrozenPrefixCache
 from smart_batching.bench.machine import PeakMemory, release_memory
-from smart_batching.bench.measure import examples_digest, length_histogram, plan_randomness
+from smart_batching.bench.measure import examples_digest, length_histogram, plan_randomness, plan_token_weights
 from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.data.tasks import TrainingData
 from smart_batching.planners import Knobs, make_spec, parse_strategy, spec_class
@@ -341,6 +341,8 @@ def run_one(
         model, measured = launcher.train(strategy, seed, run_index=run_index, label=label)
     record = _finish_record(bench, record, common, measured, model)
     record["randomness"] = plan_randomness(data.lengths, base, options, seed)  # from the plans, not the run
+    # One process's plan is its steps; several processes' steps are the balanced plan's (not measured here).
+    record["token_weights"] = plan_token_weights(data, base, options, seed) if launcher is None else None
     del model
     release_memory()
     return record

@@ -79,6 +79,7 @@ SPREAD_BISECT = 8  # bisection passes of `spread` between a row count that overf
 SPREAD_FIT_TAIL = 0.1  # `spread_fit`: the shortest examples holding this share of the tokens fill the gaps
 SPREAD_FIT_TOLERANCE = 0.005  # `spread_fit` is refined to within this share of the lower bound
 SPREAD_FIT_TRIES = 4  # `spread_fit`: tail shares 0.1, 0.2, 0.4, then BFD
+SPREAD_FIT_CLOSE = 0.001  # above REFINE_MAX examples, `spread_fit` keeps a plan this close to the bound
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,12 +358,21 @@ def spread_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     Where few examples share a row (a long one and its fillers), spreading the head costs rows; while
     the plan needs more rows than BFD's, the tail share doubles (at most :data:`SPREAD_FIT_TRIES`
     passes; the last is BFD's plan itself), so it never needs more rows than BFD. :func:`plan_packed`
-    then refines it to within :data:`SPREAD_FIT_TOLERANCE` of the lower bound (:func:`refine`)."""
+    then refines it to within :data:`SPREAD_FIT_TOLERANCE` of the lower bound (:func:`refine`, up to
+    :data:`REFINE_MAX` examples). Above that, the first pass starts from the lower bound's rows instead
+    of BFD's, and a plan within :data:`SPREAD_FIT_CLOSE` of the bound is kept without a BFD pass."""
     n = sizes.shape[0]
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0
-    bfd_row_of, bfd_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
     from_short = np.cumsum(sizes[::-1])  # (n,) tokens of the k + 1 shortest
+    if n > REFINE_MAX:
+        # Many examples: start from the lower bound's rows and keep the plan when it is within
+        # SPREAD_FIT_CLOSE of it, which spares the BFD pass (as long again as the rest).
+        lower = packing_lower_bound(sizes, capacity)
+        row_of, num_rows = _spread_then_fit(sizes, capacity, lower, from_short, SPREAD_FIT_TAIL)
+        if num_rows <= lower * (1 + SPREAD_FIT_CLOSE):
+            return row_of, num_rows
+    bfd_row_of, bfd_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
     share = SPREAD_FIT_TAIL
     for _ in range(SPREAD_FIT_TRIES - 1):
         row_of, num_rows = _spread_then_fit(sizes, capacity, bfd_rows, from_short, share)
