@@ -1,8 +1,10 @@
 """Packed rows against the lower bound on every dataset in ../shared/data, at capacities 1024-4096.
 
-Target: rows ≤ 1.005 × lower bound everywhere (lower bound = max(ceil(total / capacity), #examples
+Target for ``auto``: rows ≤ 1.005 × lower bound everywhere (lower bound = max(ceil(total / capacity), #examples
 over capacity / 2)). Examples over the capacity are split (``overlong="split"``), so no token is lost.
-Compares our ``auto`` against plain best-fit-decreasing and first-fit-decreasing on the same lengths.
+Compares our ``auto`` (the tightest rows) and ``spread_fit`` (the default: rows of mixed lengths, which
+may take more rows where few examples share one) against plain best-fit-decreasing and
+first-fit-decreasing on the same lengths.
 
 Long context: ``--long-n`` (default 50k) heavy-tailed lengths (lognormal, median 4,000 tokens, sigma 1)
 at capacities 8,192 to 262,143, rows and seconds side by side (``--no-long-context`` to skip).
@@ -32,7 +34,7 @@ DATASETS = {
 }
 CAPACITIES = (1024, 2048, 4096)
 LONG_CAPACITIES = (8192, 16384, 32768, 65536, 131072, 262143)
-ALGORITHMS = ("auto", "bfd", "ffd")
+ALGORITHMS = ("auto", "spread_fit", "bfd", "ffd")
 
 
 def heavy_tailed(n: int, seed: int = 0) -> np.ndarray:

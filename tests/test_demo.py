@@ -55,6 +55,7 @@ def demo_records(tmp_path_factory):
     two = copy.deepcopy(records[-1])
     two.update(bench_id="two-processes", run_index=0, world_size=2)
     two.pop("eval_curve")  # a multi-process run evaluates only after training
+    two["token_weights"] = None  # ... and has no token weights (its steps are the balanced plan's)
     two["rank_balance"] = rank_balance(
         [{"slots": [60, 40], "real_tokens": [60, 40]}, {"slots": [40, 40], "real_tokens": [40, 40]}]
     )
@@ -91,7 +92,9 @@ def test_the_demo_report_leads_with_the_runs_and_what_the_model_says(demo_record
         assert ("(worst" in row[headers.index("rank balance")]) == (r["world_size"] == 2)
         weights = row[headers.index("token weight, short -> long")]
         if r["world_size"] == 1:
-            assert len(r["token_weights"]) == 4 and weights == " ".join(f"{w:.2f}" for w in r["token_weights"])
+            assert len(r["token_weights"]) == 4 and weights == " ".join(
+                f"{w:.2f}" for w in r["token_weights"]
+            )
         else:  # several processes' steps are the balanced plan's: not measured
             assert r["token_weights"] is None and weights == "-"
         assert "| " + " | ".join(row) + " |" in lead

@@ -156,7 +156,7 @@ GOLDEN_DEFAULT = {
     "sft/packed/7/0": "551d10ea1c681db4",
     "sft/packed/distribute/2x1": "0725096c8c042421",
     "sft/packed/distribute/4x2": "79d78a4879353f23",
-    "sft/packed/stream": "77c6818d268edc46",
+    "sft/packed/stream": "213793afa3dff4e4",
     "long/packed/0/0": "152ac19444f414cf",
     "long/packed/0/1": "2900aadf254f8864",
     "long/packed/7/0": "b6fe02707d55abb1",

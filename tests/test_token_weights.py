@@ -14,7 +14,8 @@ def _by_loop(plan, targets) -> list[float]:
     """The definition, batch by batch: a token of batch b weighs 1 / (targets of b); a segment of a split
     example carries its tokens' share of the example's targets."""
     lengths = plan.lengths
-    edges = np.quantile(lengths, [0.25, 0.5, 0.75])
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))  # quarters by rank
+    quarter_of = {e: 4 * r // len(lengths) for r, e in enumerate(order)}
     mass, tokens = np.zeros(4), np.zeros(4)
     for b in range(len(plan)):
         lo, hi = plan.segment_range(b)
@@ -22,7 +23,7 @@ def _by_loop(plan, targets) -> list[float]:
         t = [targets[e] * n / lengths[e] for e, n in seg]
         step = max(sum(t), 1.0)
         for (e, _), te in zip(seg, t, strict=True):
-            q = int(np.digitize(lengths[e], edges))
+            q = quarter_of[e]
             mass[q] += te / step
             tokens[q] += te
     return list((mass / mass.sum()) / (tokens / tokens.sum()))
@@ -51,13 +52,22 @@ def test_steps_of_like_lengths_weigh_short_examples_more_than_rows_of_mixed_leng
     lengths = np.random.default_rng(1).integers(48, 600, size=3000)
     targets = lengths - 40
     weights = {
-        algorithm: token_weights(plan_batches(lengths, "packed", capacity=2048, algorithm=algorithm, seed=0), targets)
+        algorithm: token_weights(
+            plan_batches(lengths, "packed", capacity=2048, algorithm=algorithm, seed=0), targets
+        )
         for algorithm in ("auto", "spread_fit")
     }
     assert weights["auto"][0] > 1.05  # the shortest quarter's tokens over their share
     assert max(abs(w - 1) for w in weights["spread_fit"]) < max(abs(w - 1) for w in weights["auto"]) / 3
     grouped = token_weights(plan_batches(lengths, "group_by_length", batch_size=8, seed=0), targets)
     assert grouped[0] > 1.5 > 0.8 > grouped[3]
+
+
+def test_ties_do_not_empty_a_quarter():
+    # Half the examples at one length (truncated, say): quantile edges would coincide; ranks do not.
+    lengths = np.array([64] * 8 + [10, 20, 30, 40, 50, 60, 62, 63])
+    weights = token_weights(plan_batches(lengths, "random", batch_size=4, seed=0), lengths - 5)
+    assert all(np.isfinite(weights))
 
 
 def test_token_weights_refuse_targets_of_another_shape():

@@ -48,9 +48,9 @@ def test_recorded_runs_are_skipped_and_settings_change_the_key(tmp_path):
     # packed's budget is matched over the fixed seeds, whatever seeds this study has
     assert runs[1].settings["budgets"]["rows"][row] == runs[3].settings["budgets"]["rows"][row]
     results = Path(opts.results)
-    # Records of spread_fit's first version (no row_version) do not count as its current runs.
+    # Records of another version of spread_fit (2, tried and dropped) do not count as its current runs.
     for run in runs:
-        ttq_study.append_result(results, _study_record(run))
+        ttq_study.append_result(results, _study_record(run, version=2 if run.row == row else None))
     assert {r.key for r in runs} - ttq_study.done_keys(results) == {r.key for r in runs if r.row == row}
     for run in runs[1::2]:
         ttq_study.append_result(results, _study_record(run, version=ttq_study.ROW_VERSIONS[row]))
@@ -122,12 +122,12 @@ def test_report_reads_the_results_file_by_task_and_settings(tmp_path, capsys):
     assert sum(line.startswith("{") for line in capsys.readouterr().out.splitlines()) == 2
 
 
-def test_report_keeps_the_current_row_version_and_names_older_ones(tmp_path):
+def test_report_keeps_the_current_row_version_and_names_the_others(tmp_path):
     path = tmp_path / "results.jsonl"
     epochs = [0.0, 1.0]
     for seed in range(2):
-        for row, loss, version in (("random", 8.0, None), ("packed[spread_fit]", 7.9, None),
-                                   ("packed[spread_fit]", 7.8, 2)):  # fmt: skip
+        for row, loss, version in (("random", 8.0, None), ("packed[spread_fit]", 7.8, None),
+                                   ("packed[spread_fit]", 7.9, 2)):  # fmt: skip
             record = _record(row, seed, [10.0, loss + seed / 10], [0, 3], epochs)
             record["bench_id"] = f"{row}-{seed}-{version}"
             record["study"] = {"task": "gsm8k", "row": row, "seed": seed, "settings_hash": "h1"}
@@ -135,7 +135,7 @@ def test_report_keeps_the_current_row_version_and_names_older_ones(tmp_path):
                 record["study"]["row_version"] = version
             ttq_study.append_result(path, record)
     every = {r["strategy"] for r in ttq_study.report([str(path)], None, as_json=True)}
-    assert every == {"random", "packed[spread_fit]", "packed[spread_fit] v1"}
+    assert every == {"random", "packed[spread_fit]", "packed[spread_fit] v2"}
     current = {r["strategy"]: r for r in ttq_study.report([str(path)], None, as_json=True, keep={"h1"})}
     assert set(current) == {"random", "packed[spread_fit]"}
     assert current["packed[spread_fit]"]["epochs"][0]["diff_to_random"] == pytest.approx(

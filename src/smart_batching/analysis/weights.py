@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-QUARTERS = (0.25, 0.5, 0.75)
-
 
 def token_weights(plan: object, targets: np.ndarray) -> list[float]:
     """The weight of a target token per length quarter of the examples (shortest first), over its share,
-    with one batch of the plan per optimizer step (no gradient accumulation: the bench's rule).
+    with one batch of the plan per optimizer step (no gradient accumulation: the bench's rule). The
+    quarters are by rank (equal counts; equal lengths in index order), so ties cannot empty one.
 
     Args:
         plan: a :class:`~smart_batching.plan.BatchPlan` (its ``lengths`` give the quarters).
@@ -33,7 +32,9 @@ def token_weights(plan: object, targets: np.ndarray) -> list[float]:
     lengths = np.asarray(plan.lengths, dtype=np.int64)  # type: ignore[attr-defined]
     targets = np.asarray(targets, dtype=np.float64)
     if targets.shape != lengths.shape:
-        raise ValueError(f"token_weights: targets has shape {targets.shape}, the plan's lengths {lengths.shape}")
+        raise ValueError(
+            f"token_weights: targets has shape {targets.shape}, the plan's lengths {lengths.shape}"
+        )
     ids = plan.example_ids  # type: ignore[attr-defined]
     if ids.shape[0] == 0:
         return [float("nan")] * 4
@@ -42,7 +43,9 @@ def token_weights(plan: object, targets: np.ndarray) -> list[float]:
     seg_targets = targets[ids] * plan.seg_lengths / np.maximum(lengths[ids], 1)  # type: ignore[attr-defined]
     per_step = np.bincount(step, weights=seg_targets, minlength=bounds.shape[0] - 1)  # (num_steps,)
     mass = seg_targets / np.maximum(per_step[step], 1.0)  # (num_segments,) weight x targets
-    quarter = np.digitize(lengths, np.quantile(lengths, QUARTERS))[ids]  # (num_segments,) 0..3
+    rank = np.empty(lengths.shape[0], dtype=np.int64)
+    rank[np.argsort(lengths, kind="stable")] = np.arange(lengths.shape[0])
+    quarter = (4 * rank // lengths.shape[0])[ids]  # (num_segments,) 0..3: quarters by rank (ties by index)
     mass_q = np.bincount(quarter, weights=mass, minlength=4)
     targets_q = np.bincount(quarter, weights=seg_targets, minlength=4)
     with np.errstate(invalid="ignore", divide="ignore"):

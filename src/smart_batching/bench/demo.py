@@ -208,7 +208,9 @@ def headline_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[s
                 "-" if before is None or after is None else f"{before:.3f} -> {after:.3f}",
                 "-" if not before or after is None else f"{100 * (after - before) / before:+.1f}%",
                 time_to_target_cell(r, records),
-                " ".join(f"{w:.2f}" for w in r["token_weights"]) if r.get("token_weights") else "-",
+                " ".join("-" if w is None else f"{w:.2f}" for w in r["token_weights"])
+                if r.get("token_weights")
+                else "-",
                 f"{bal['mean']:.2f} (worst {bal['max']:.2f})" if bal else "-",
             ]
         )
@@ -368,7 +370,7 @@ def demo_lead(
             "weight its target tokens get in the run's plan over their share of the targets (a step's loss is the "
             "mean over its own targets, so a token weighs one over its step's targets; 1.00 is uniform). Steps of "
             "like lengths weigh the short examples' tokens more; `packed` fills every row with examples of "
-            "mixed lengths (its default, `algorithm=\"spread_fit\"`) to keep them level.",
+            'mixed lengths (its default, `algorithm="spread_fit"`) to keep them level.',
             "`rank balance`: per optimizer step, the busiest process's token slots over the mean process's (1.00 is "
             "even; a step waits for its slowest process), the mean over the steps and the worst step.",
         ]

@@ -373,9 +373,7 @@ def example_targets(data: Any) -> np.ndarray | None:
     return np.maximum(lengths - np.maximum(prompt, 1), 0)
 
 
-def plan_token_weights(
-    data: Any, strategy: str, options: Mapping[str, Any], seed: int
-) -> list[float] | None:
+def plan_token_weights(data: Any, strategy: str, options: Mapping[str, Any], seed: int) -> list[float] | None:
     """The weight of a target token per length quarter (shortest first) over its share, in the run's epoch-0
     plan (:func:`~smart_batching.analysis.weights.token_weights`); None without targets. Planned apart
     from training, as :func:`plan_randomness`."""

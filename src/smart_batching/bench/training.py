@@ -21,7 +21,12 @@ import numpy as np
 
 from smart_batching.bench.frozen_prefix import FrozenPrefixCache
 from smart_batching.bench.machine import PeakMemory, release_memory
-from smart_batching.bench.measure import examples_digest, length_histogram, plan_randomness, plan_token_weights
+from smart_batching.bench.measure import (
+    examples_digest,
+    length_histogram,
+    plan_randomness,
+    plan_token_weights,
+)
 from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.data.tasks import TrainingData
 from smart_batching.planners import Knobs, make_spec, parse_strategy, spec_class

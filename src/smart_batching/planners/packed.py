@@ -64,7 +64,6 @@ AUTO_BOTH_MAX = 1_000_000  # up to this many examples, `auto` tries both algorit
 AUTO_FILL_MAX = 2_000_000
 # Up to this many examples, `auto` then repairs the plan by large-neighbourhood search (below).
 REFINE_MAX = 200_000
-REFINED = ("auto", "spread_fit")  # the algorithms refined (`spread_fit` only to SPREAD_FIT_TOLERANCE)
 REFINE_ITERS = 400
 # and once it has spent this many bitset word operations per example (each pooled example costs about
 # one subset-sum layer of capacity / 64 words): work linear in n at any capacity. No shared dataset
@@ -77,9 +76,6 @@ LONG_CONTEXT = 8192
 REFINE_TOLERANCE = 1e-3
 SPREAD_BISECT = 8  # bisection passes of `spread` between a row count that overflows and one that fits
 SPREAD_FIT_TAIL = 0.1  # `spread_fit`: the shortest examples holding this share of the tokens fill the gaps
-SPREAD_FIT_TOLERANCE = 0.005  # `spread_fit` is refined to within this share of the lower bound
-SPREAD_FIT_TRIES = 4  # `spread_fit`: tail shares 0.1, 0.2, 0.4, then BFD
-SPREAD_FIT_CLOSE = 0.001  # above REFINE_MAX examples, `spread_fit` keeps a plan this close to the bound
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,13 +85,15 @@ class PackedSpec(PlannerSpec):
     Attributes:
         capacity: tokens per row.
         rows_per_batch: rows per batch (a padding-free collator flattens them into one sequence).
-        algorithm: ``"spread_fit"`` (the default): rows of mixed lengths, as tight as BFD's. The longest
-            examples (nine tenths of the tokens) are spread over the rows BFD needs, each into the
-            emptiest row (longest processing time), then the shortest best-fit into the gaps; never
-            more rows than BFD, and up to 200k examples refined to within half a percent of the lower
-            bound. Every row then holds long and short examples alike, so no optimizer step is one of
-            short examples only (the weight of a token stays level across lengths; the study in
-            benchmarks/RESULTS.md reached random's held-out loss sooner with it).
+        algorithm: ``"spread_fit"`` (the default): rows of mixed lengths. The longest examples (nine
+            tenths of the tokens) are spread over the rows BFD needs, each into the emptiest row (longest
+            processing time), then the shortest best-fit into the gaps. Every row then holds long and
+            short examples alike, so no optimizer step is one of short examples only (the weight of a
+            token stays level across lengths; in the study of benchmarks/RESULTS.md it reached random's
+            held-out loss sooner than ``auto``). Where many examples share a row it needs BFD's rows or a
+            few tenths of a percent more; where few do, more (12.5 % more than BFD on Schema-Guided
+            dialogues at capacity 1,024): with the padding-free collator those are more, smaller steps,
+            not padding; ``"auto"`` gives the fewest rows.
             ``"auto"``: the fewest rows, with rows of like lengths: ``bfd`` where examples over half the
             capacity set the lower bound or above 2M examples, else ``fill``; up to 1M examples, the
             other one too when the first misses the bound, keeping the fewer rows; up to 200k examples,
@@ -222,20 +220,17 @@ def refine(
     capacity: int,
     rng: np.random.Generator,
     iters: int = REFINE_ITERS,
-    tolerance: float | None = None,
 ) -> tuple[np.ndarray, int]:
     """Large-neighbourhood search toward the lower bound: repeatedly take the 1 % emptiest rows and
     eight times as many random full ones, pack their examples again (exact filling and BFD), and keep
-    the result when it needs fewer rows. Deterministic in ``rng``; stops within ``tolerance`` of the
-    lower bound (None: at it, or within :data:`REFINE_TOLERANCE` of it from capacity
-    :data:`LONG_CONTEXT` on), after ``iters`` rounds, or
+    the result when it needs fewer rows. Deterministic in ``rng``; stops at the lower bound (within
+    :data:`REFINE_TOLERANCE` of it from capacity :data:`LONG_CONTEXT` on), after ``iters`` rounds, or
     when the work bound :data:`REFINE_WORK` (bitset word operations per example) is spent, so its
     cost stays linear in n at any capacity. It pays where few examples share a row (short rows of
     long dialogues), where exact filling alone stays above the bound.
     """
     lower = packing_lower_bound(sizes, capacity)
-    if tolerance is None:
-        tolerance = REFINE_TOLERANCE if capacity >= LONG_CONTEXT else 0.0
+    tolerance = REFINE_TOLERANCE if capacity >= LONG_CONTEXT else 0.0
     good_enough = max(lower, int(lower * (1 + tolerance)))
     budget = REFINE_WORK * sizes.shape[0]
     words = capacity // 64 + 1  # bitset words of one subset-sum layer over a whole row
@@ -349,37 +344,23 @@ def _without_empty_rows(row_of: np.ndarray, num_rows: int) -> tuple[np.ndarray, 
 
 
 def spread_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Rows of mixed lengths filled as tightly as BFD: the longest examples, holding all but a tail share
-    of the tokens (:data:`SPREAD_FIT_TAIL` first), spread over the rows BFD needs (:func:`spread_rows`;
-    more, one percent at a time, where a row would overflow), then the shortest best-fit into the rows'
-    gaps (:func:`~._packing_kernels.best_fit_into`), a new row where none fits. Longest processing
-    time alone leaves rows as far apart as its last examples are long; the short tail closes that gap.
+    """Rows of mixed lengths: the longest examples, holding all but :data:`SPREAD_FIT_TAIL` of the tokens,
+    spread over the rows BFD needs (:func:`spread_rows`; more, one percent at a time, where a row would
+    overflow), then the shortest best-fit into the rows' gaps (:func:`~._packing_kernels.best_fit_into`),
+    a new row where none fits. Longest processing time alone leaves rows as far apart as its last
+    examples are long; the short tail closes that gap.
 
-    Where few examples share a row (a long one and its fillers), spreading the head costs rows; while
-    the plan needs more rows than BFD's, the tail share doubles (at most :data:`SPREAD_FIT_TRIES`
-    passes; the last is BFD's plan itself), so it never needs more rows than BFD. :func:`plan_packed`
-    then refines it to within :data:`SPREAD_FIT_TOLERANCE` of the lower bound (:func:`refine`, up to
-    :data:`REFINE_MAX` examples). Above that, the first pass starts from the lower bound's rows instead
-    of BFD's, and a plan within :data:`SPREAD_FIT_CLOSE` of the bound is kept without a BFD pass."""
+    Where many examples share a row it needs BFD's rows or within a few tenths of a percent of them;
+    where few do (a long example and its fillers), spreading the head costs rows (12.5 % more than BFD
+    on Schema-Guided dialogues at capacity 1,024): that is the price of mixing lengths there, and
+    forcing BFD's row count back gives BFD's rows of like lengths, as the study measured (benchmarks/
+    RESULTS.md, version 2)."""
     n = sizes.shape[0]
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0
     from_short = np.cumsum(sizes[::-1])  # (n,) tokens of the k + 1 shortest
-    if n > REFINE_MAX:
-        # Many examples: start from the lower bound's rows and keep the plan when it is within
-        # SPREAD_FIT_CLOSE of it, which spares the BFD pass (as long again as the rest).
-        lower = packing_lower_bound(sizes, capacity)
-        row_of, num_rows = _spread_then_fit(sizes, capacity, lower, from_short, SPREAD_FIT_TAIL)
-        if num_rows <= lower * (1 + SPREAD_FIT_CLOSE):
-            return row_of, num_rows
-    bfd_row_of, bfd_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
-    share = SPREAD_FIT_TAIL
-    for _ in range(SPREAD_FIT_TRIES - 1):
-        row_of, num_rows = _spread_then_fit(sizes, capacity, bfd_rows, from_short, share)
-        if num_rows <= bfd_rows:
-            return row_of, num_rows
-        share *= 2
-    return bfd_row_of, int(bfd_rows)
+    _, bfd_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
+    return _spread_then_fit(sizes, capacity, bfd_rows, from_short, SPREAD_FIT_TAIL)
 
 
 def _spread_then_fit(
@@ -411,9 +392,8 @@ def _pack_window(
         local, sizes = sort_by_length(seg_len[positions], rng, descending=True)
         by_size = positions[local]
     row_of, num_rows = pack(sizes, spec.capacity, spec.algorithm)
-    if spec.algorithm in REFINED and sizes.shape[0] <= REFINE_MAX:
-        tolerance = SPREAD_FIT_TOLERANCE if spec.algorithm == "spread_fit" else None
-        row_of, num_rows = refine(sizes, row_of, num_rows, spec.capacity, rng, tolerance=tolerance)
+    if spec.algorithm == "auto" and sizes.shape[0] <= REFINE_MAX:
+        row_of, num_rows = refine(sizes, row_of, num_rows, spec.capacity, rng)
     return by_size, sizes, row_of, num_rows
 
 
