@@ -13,7 +13,9 @@ from smart_batching.planners._packing_kernels import (
     _CTZ_TABLE,
     best_fit_decreasing,
     best_fit_into,
+    row_loads,
     spread_rows,
+    tail_count,
 )
 from smart_batching.planners.packed import PackedSpec, spread, spread_fit
 
@@ -167,3 +169,17 @@ def test_spread_fit_costs_rows_where_few_examples_share_one():
 
 def test_spread_fit_is_the_default():
     assert PackedSpec().algorithm == "spread_fit"
+
+
+def test_tail_count_and_row_loads_match_numpy():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        sizes = np.sort(rng.integers(1, 900, size=int(rng.integers(1, 3000))))[::-1]
+        share = float(rng.choice([0.0, 0.1, 0.37, 1.0]))
+        from_short = np.cumsum(sizes[::-1])
+        assert tail_count(sizes, share) == int(np.searchsorted(from_short, share * int(from_short[-1])))
+        rows = int(rng.integers(1, 50))
+        row_of = rng.integers(0, rows, size=sizes.shape[0])
+        assert np.array_equal(
+            row_loads(row_of, sizes, rows), np.bincount(row_of, sizes, rows).astype(np.int64)
+        )

@@ -197,6 +197,32 @@ def _spread_rows(sizes, num_rows, row_of, head, tail, nxt):  # pragma: no cover 
     return top
 
 
+@njit(cache=True, nogil=True)
+def tail_count(sizes, share):  # pragma: no cover - compiled
+    """How many of the shortest ``sizes`` (sorted in decreasing order) hold less than ``share`` of the
+    tokens together: the largest t with sizes[n - t:].sum() < share * sizes.sum(). O(n)."""
+    n = sizes.shape[0]
+    total = 0
+    for i in range(n):
+        total += sizes[i]
+    goal = share * total
+    acc = 0
+    t = 0
+    while t < n and acc + sizes[n - 1 - t] < goal:
+        acc += sizes[n - 1 - t]
+        t += 1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def row_loads(row_of, sizes, num_rows):  # pragma: no cover - compiled
+    """(num_rows,) int64 tokens of each row: ``np.bincount(row_of, sizes, num_rows)`` in integers."""
+    loads = np.zeros(num_rows, dtype=np.int64)
+    for i in range(row_of.shape[0]):
+        loads[row_of[i]] += sizes[i]
+    return loads
+
+
 def first_fit_decreasing(sizes: np.ndarray, capacity: int, max_rows: int) -> tuple[np.ndarray, int]:
     """First-fit over sizes sorted in decreasing order: each item goes to the first row it fits.
 

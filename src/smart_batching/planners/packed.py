@@ -50,7 +50,9 @@ from smart_batching.planners._packing_kernels import (
     fill_rows,
     first_fit_decreasing,
     group_by_row,
+    row_loads,
     spread_rows,
+    tail_count,
 )
 from smart_batching.planners._rounds import EMPTY, fits
 from smart_batching.planners._spec import Cut, Knobs, MicroBatchLimits, PlannerSpec, Room, Tuning
@@ -355,30 +357,27 @@ def spread_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     on Schema-Guided dialogues at capacity 1,024): that is the price of mixing lengths there, and
     forcing BFD's row count back gives BFD's rows of like lengths, as the study measured (benchmarks/
     RESULTS.md, version 2)."""
-    n = sizes.shape[0]
-    if n == 0:
+    if sizes.shape[0] == 0:
         return np.zeros(0, dtype=np.int64), 0
-    from_short = np.cumsum(sizes[::-1])  # (n,) tokens of the k + 1 shortest
     _, bfd_rows = best_fit_decreasing(sizes, capacity, _CTZ_TABLE)
-    return _spread_then_fit(sizes, capacity, bfd_rows, from_short, SPREAD_FIT_TAIL)
+    return _spread_then_fit(sizes, capacity, bfd_rows, SPREAD_FIT_TAIL)
 
 
-def _spread_then_fit(
-    sizes: np.ndarray, capacity: int, num_rows: int, from_short: np.ndarray, share: float
-) -> tuple[np.ndarray, int]:
-    """One pass of :func:`spread_fit`: the head (all but ``share`` of the tokens) spread over at least
-    ``num_rows`` rows, the tail best-fit into the gaps."""
+def _spread_then_fit(sizes: np.ndarray, capacity: int, num_rows: int, share: float) -> tuple[np.ndarray, int]:
+    """:func:`spread_fit` from ``num_rows`` rows: the head (all but ``share`` of the tokens) spread over at
+    least that many, the tail best-fit into the gaps."""
     n = sizes.shape[0]
-    tail = int(np.searchsorted(from_short, share * int(from_short[-1])))
-    head = sizes[: n - tail]
+    head = sizes[: n - int(tail_count(sizes, share))]
     while True:
         head_row, top = spread_rows(head, num_rows)
         if top <= capacity or num_rows >= head.shape[0]:
             break
         num_rows += max(1, num_rows // 100)
-    load = np.bincount(head_row, weights=head, minlength=num_rows).astype(np.int64)  # (num_rows,)
-    tail_row, num_rows = best_fit_into(sizes[n - tail :], capacity, capacity - load, _CTZ_TABLE)
-    return _without_empty_rows(np.concatenate([head_row, tail_row]), num_rows)
+    load = row_loads(head_row, head, num_rows)  # (num_rows,) tokens
+    tail_row, total_rows = best_fit_into(sizes[head.shape[0] :], capacity, capacity - load, _CTZ_TABLE)
+    row_of = np.concatenate([head_row, tail_row])
+    # Every spread row holds a head item unless there were fewer items than rows; new rows hold tail items.
+    return (row_of, total_rows) if head.shape[0] >= num_rows else _without_empty_rows(row_of, total_rows)
 
 
 def _pack_window(
