@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_ddp(strategy: str, out: Path, nproc: int = 2) -> tuple[list[dict], dict]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         str(ROOT / "examples" / "ddp_trainer.py"), "--strategy", strategy, "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

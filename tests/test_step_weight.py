@@ -17,7 +17,6 @@ import torch
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
-from ports import free_port  # noqa: E402
 from test_trainer import counting_dataset, tiny_llama, training_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -156,8 +155,10 @@ def test_epoch_normalization_on_two_processes(tmp_path):
     (the same factor on each, so DDP's averaged gradient is scaled once), M is all targets over the
     optimizer steps, and the clipped step moves the weights by lr * c * n / M."""
     worker = Path(__file__).resolve().parent / "step_weight_ddp_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(worker), "--out", str(tmp_path)]  # fmt: skip
+    # --standalone: torchrun binds its rendezvous port itself (a port picked here and released could be
+    # taken by another test's processes before torchrun binds it; one CI run hung here for 600 s).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(worker), "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
