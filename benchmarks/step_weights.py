@@ -131,6 +131,7 @@ def grad_norms(
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    from smart_batching.bench.measure import example_targets
     from smart_batching.data.tasks import prepare_training_data
     from smart_batching.data.tokenizers import load_tokenizer
     from smart_batching.planners import split_strategies
@@ -172,8 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         num_prompts=0, max_length=opts.max_length,
     )  # fmt: skip
     lengths = data.lengths
-    prompt = np.asarray(data.train["prompt_length"], dtype=np.int64)
-    targets = lengths - np.maximum(prompt, 1)  # the first token of an example is never a target
+    targets = example_targets(data)  # the tokens after the prompt; the first token is never a target
     rows = [
         {"data": opts.data, **step_weights(lengths, targets, s, opts.batch_size)}
         for s in split_strategies(opts.strategies)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from smart_batching.plan import BatchPlan
 
-def token_weights(plan: object, targets: np.ndarray) -> list[float]:
+
+def token_weights(plan: BatchPlan, targets: np.ndarray) -> list[float]:
     """The weight of a target token per length quarter of the examples (shortest first), over its share,
     with one batch of the plan per optimizer step (no gradient accumulation: the bench's rule). The
     quarters are by rank (equal counts; equal lengths in index order), so ties cannot empty one.
@@ -29,18 +31,18 @@ def token_weights(plan: object, targets: np.ndarray) -> list[float]:
         ``1 / targets of step k``) over its share of the target tokens; 1.0 everywhere is uniform per
         token, as one mean over the whole epoch weighs them. A quarter without targets gives nan.
     """
-    lengths = np.asarray(plan.lengths, dtype=np.int64)  # type: ignore[attr-defined]
+    lengths = np.asarray(plan.lengths, dtype=np.int64)
     targets = np.asarray(targets, dtype=np.float64)
     if targets.shape != lengths.shape:
         raise ValueError(
             f"token_weights: targets has shape {targets.shape}, the plan's lengths {lengths.shape}"
         )
-    ids = plan.example_ids  # type: ignore[attr-defined]
+    ids = plan.example_ids
     if ids.shape[0] == 0:
         return [float("nan")] * 4
-    bounds = plan.batch_bounds  # type: ignore[attr-defined]
+    bounds = plan.batch_bounds
     step = np.repeat(np.arange(bounds.shape[0] - 1), np.diff(bounds))  # (num_segments,) step of each
-    seg_targets = targets[ids] * plan.seg_lengths / np.maximum(lengths[ids], 1)  # type: ignore[attr-defined]
+    seg_targets = targets[ids] * plan.seg_lengths / np.maximum(lengths[ids], 1)
     per_step = np.bincount(step, weights=seg_targets, minlength=bounds.shape[0] - 1)  # (num_steps,)
     mass = seg_targets / np.maximum(per_step[step], 1.0)  # (num_segments,) weight x targets
     rank = np.empty(lengths.shape[0], dtype=np.int64)

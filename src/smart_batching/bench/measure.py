@@ -10,7 +10,8 @@
 * :class:`HeldOutCurve` evaluates the held-out loss at a cadence during training, off the clock
   (:mod:`.curve`).
 * :class:`ProgressBar` is one tqdm bar per run, on stderr, with the current loss.
-* :func:`plan_randomness` measures how random the run's batches are, from its plans alone.
+* :func:`plan_token_weights` measures what the run's plan does to the weight of a token per length
+  quarter, from the plan alone.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from smart_batching.analysis.weights import token_weights
 from smart_batching.collate import PaddingCollator
 from smart_batching.loss import count_target_tokens
-from smart_batching.planners import plan_batches
+from smart_batching.plan import BatchPlan
 
 try:
     from transformers import TrainerCallback
@@ -345,21 +346,6 @@ def examples_digest(example_ids: np.ndarray, seg_lengths: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(pairs).tobytes(), digest_size=8).hexdigest()
 
 
-def plan_randomness(
-    lengths: np.ndarray, strategy: str, options: Mapping[str, Any], seed: int
-) -> dict[str, float | None]:
-    """Batch randomness of a run's strategy: its plans of ``lengths`` for epochs 0 and 1 with the run's
-    seed, compared by :func:`~smart_batching.analysis.batch_randomness` (``order_corr``, ``pair_repeat``,
-    ``pair_repeat_random``; None where undefined). Planned here, apart from training, so the runs are
-    untouched."""
-    from smart_batching.analysis.randomness import randomness_record
-    from smart_batching.planners import plan_batches
-
-    return randomness_record(
-        *(plan_batches(lengths, strategy, seed=seed, epoch=e, **options) for e in (0, 1))
-    )
-
-
 def example_targets(data: Any) -> np.ndarray | None:
     """(num_train,) the target tokens of each training example of a causal-LM bench: its tokens after the
     prompt (``prompt_length``; at least the first, which no label predicts); None for classification."""
@@ -373,14 +359,13 @@ def example_targets(data: Any) -> np.ndarray | None:
     return np.maximum(lengths - np.maximum(prompt, 1), 0)
 
 
-def plan_token_weights(data: Any, strategy: str, options: Mapping[str, Any], seed: int) -> list[float] | None:
-    """The weight of a target token per length quarter (shortest first) over its share, in the run's epoch-0
-    plan (:func:`~smart_batching.analysis.weights.token_weights`); None without targets. Planned apart
-    from training, as :func:`plan_randomness`."""
+def plan_token_weights(data: Any, plan: BatchPlan) -> list[float] | None:
+    """The weight of a target token per length quarter (shortest first) over its share in ``plan``, a
+    run's epoch-0 plan (:func:`~smart_batching.analysis.weights.token_weights`); None without targets."""
     targets = example_targets(data)
     if targets is None or not targets.any():
         return None
-    return token_weights(plan_batches(data.lengths, strategy, seed=seed, epoch=0, **options), targets)
+    return token_weights(plan, targets)
 
 
 __all__ = [
@@ -395,6 +380,5 @@ __all__ = [
     "examples_digest",
     "length_histogram",
     "percentiles",
-    "plan_randomness",
     "plan_token_weights",
 ]

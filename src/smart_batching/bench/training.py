@@ -19,17 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from smart_batching.analysis.randomness import randomness_record
 from smart_batching.bench.frozen_prefix import FrozenPrefixCache
 from smart_batching.bench.machine import PeakMemory, release_memory
-from smart_batching.bench.measure import (
-    examples_digest,
-    length_histogram,
-    plan_randomness,
-    plan_token_weights,
-)
+from smart_batching.bench.measure import examples_digest, length_histogram, plan_token_weights
 from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.data.tasks import TrainingData
-from smart_batching.planners import Knobs, make_spec, parse_strategy, spec_class
+from smart_batching.planners import Knobs, make_spec, parse_strategy, plan_batches, spec_class
 
 
 @dataclass
@@ -345,9 +341,12 @@ def run_one(
     else:
         model, measured = launcher.train(strategy, seed, run_index=run_index, label=label)
     record = _finish_record(bench, record, common, measured, model)
-    record["randomness"] = plan_randomness(data.lengths, base, options, seed)  # from the plans, not the run
-    # One process's plan is its steps; several processes' steps are the balanced plan's (not measured here).
-    record["token_weights"] = plan_token_weights(data, base, options, seed) if launcher is None else None
+    # From the strategy's plans for epochs 0 and 1 (planned here, apart from training: the run is untouched):
+    # how random its batches are (analysis.batch_randomness) and, on one process (several processes' steps
+    # are the balanced plan's), what epoch 0 does to the weight of a token.
+    plans = [plan_batches(data.lengths, base, seed=seed, epoch=e, **options) for e in (0, 1)]
+    record["randomness"] = randomness_record(*plans)
+    record["token_weights"] = plan_token_weights(data, plans[0]) if launcher is None else None
     del model
     release_memory()
     return record
@@ -628,7 +627,6 @@ def warmup(bench: BenchContext, strategies: Sequence[str]) -> None:
     from smart_batching.attention import enable_packed_attention
     from smart_batching.bench.measure import ClassificationCollator
     from smart_batching.collate import PackingCollator, PaddingCollator
-    from smart_batching.planners import plan_batches
 
     s, data, bm = bench.settings, bench.data, bench.model
     for name in strategies:
