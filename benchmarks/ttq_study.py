@@ -65,8 +65,11 @@ held-out loss every half epoch (GSM8K, HumanEval) or at epoch ends (SGD, LIMA: l
 examples)."""
 ROWS = (
     "random", "group_by_length", "token_budget", "packed[auto]", "packed[spread]", "packed[spread_fit]", "trl_packing",
+    "group_by_length[mix_steps=2]",
 )  # fmt: skip
-"""``packed[spread_fit]`` is ``packed``'s default since issue 34; ``packed[auto]`` the default before."""
+"""``packed[spread_fit]`` is ``packed``'s default since issue 34; ``packed[auto]`` the default before.
+``group_by_length[mix_steps=2]``: each step two micro-batches of half the batch, one from each length
+stratum (``SmartBatchingTrainer(mix_steps=True)``, ``gradient_accumulation_steps=2``)."""
 CANDIDATES = ("group_by_length[loss_normalization=epoch]", "packed[algorithm=auto,loss_normalization=epoch]")
 """Rows of the first pass (``--strategies`` runs them): no better than their base rows anywhere there."""
 LOSS_ON = "completion"

@@ -16,15 +16,18 @@ import numpy as np
 from smart_batching.plan import BatchPlan
 
 
-def token_weights(plan: BatchPlan, targets: np.ndarray) -> list[float]:
+def token_weights(plan: BatchPlan, targets: np.ndarray, steps: np.ndarray | None = None) -> list[float]:
     """The weight of a target token per length quarter of the examples (shortest first), over its share,
-    with one batch of the plan per optimizer step (no gradient accumulation: the bench's rule). The
-    quarters are by rank (equal counts; equal lengths in index order), so ties cannot empty one.
+    with one batch of the plan per optimizer step unless ``steps`` says otherwise. The quarters are by
+    rank (equal counts; equal lengths in index order), so ties cannot empty one.
 
     Args:
         plan: a :class:`~smart_batching.plan.BatchPlan` (its ``lengths`` give the quarters).
         targets: (num_examples,) target tokens of each whole example (its loss-bearing tokens); a segment
             of a split example carries its share of them, in proportion to its tokens.
+        steps: (num_segments,) the optimizer step of each segment of the plan, where steps hold several
+            batches (gradient accumulation, ranks:
+            :meth:`~smart_batching.distributed.DistributedPlan.segment_steps`); None: batch ``k`` is step ``k``.
 
     Returns:
         Four floats: each quarter's share of the epoch's weight (a token in step ``k`` weighs
@@ -40,10 +43,17 @@ def token_weights(plan: BatchPlan, targets: np.ndarray) -> list[float]:
     ids = plan.example_ids
     if ids.shape[0] == 0:
         return [float("nan")] * 4
-    bounds = plan.batch_bounds
-    step = np.repeat(np.arange(bounds.shape[0] - 1), np.diff(bounds))  # (num_segments,) step of each
+    if steps is None:
+        bounds = plan.batch_bounds
+        step = np.repeat(np.arange(bounds.shape[0] - 1), np.diff(bounds))  # (num_segments,) step of each
+    else:
+        step = np.asarray(steps, dtype=np.int64)
+        if step.shape != ids.shape or (step.size and step.min() < 0):
+            raise ValueError(
+                f"token_weights: steps must give a step >= 0 to each of the {ids.shape[0]} segments"
+            )
     seg_targets = targets[ids] * plan.seg_lengths / np.maximum(lengths[ids], 1)
-    per_step = np.bincount(step, weights=seg_targets, minlength=bounds.shape[0] - 1)  # (num_steps,)
+    per_step = np.bincount(step, weights=seg_targets)  # (num_steps,)
     mass = seg_targets / np.maximum(per_step[step], 1.0)  # (num_segments,) weight x targets
     rank = np.empty(lengths.shape[0], dtype=np.int64)
     rank[np.argsort(lengths, kind="stable")] = np.arange(lengths.shape[0])

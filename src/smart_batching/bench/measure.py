@@ -164,6 +164,7 @@ class HeldOutCurve(TrainerCallback):
         examples: the per-batch example counts, likewise.
         initial_loss: held-out loss of the initial weights (the point at step 0); None leaves it out.
         epoch_ends: also evaluate at each epoch's end but the last (False: only at the cadence).
+        micro_per_step: collated batches per optimizer step (gradient accumulation).
     """
 
     def __init__(
@@ -175,8 +176,10 @@ class HeldOutCurve(TrainerCallback):
         examples: Sequence[int],
         initial_loss: float | None = None,
         epoch_ends: bool = True,
+        micro_per_step: int = 1,
     ) -> None:
         self.evaluate = evaluate
+        self.micro_per_step = int(micro_per_step)
         self.epoch_ends = epoch_ends
         self.every = every
         self.real_tokens = real_tokens
@@ -231,11 +234,15 @@ class HeldOutCurve(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         step = int(state.global_step)
-        # One collated batch per optimizer step (no gradient accumulation in the bench).
-        tokens = int(sum(self.real_tokens[:step]))
+        tokens, examples = self._seen(step)
         if model is None or not self._due(step, tokens) or step >= state.max_steps:
             return  # the last step's point is the final evaluation, taken after training
-        self.add_point(model, step, tokens, int(sum(self.examples[:step])), epoch=float(state.epoch or 0.0))
+        self.add_point(model, step, tokens, examples, epoch=float(state.epoch or 0.0))
+
+    def _seen(self, step: int) -> tuple[int, int]:
+        """Real tokens and examples of the first ``step`` optimizer steps."""
+        batches = step * self.micro_per_step
+        return int(sum(self.real_tokens[:batches])), int(sum(self.examples[:batches]))
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         """A point at every epoch's end but the last (the final evaluation is that one), whatever the
@@ -252,10 +259,8 @@ class HeldOutCurve(TrainerCallback):
             if self.points and self.points[-1]["step"] == step:
                 self.points[-1]["epoch"] = float(round(state.epoch or 0.0))
             return
-        tokens = int(sum(self.real_tokens[:step]))
-        self.add_point(
-            model, step, tokens, int(sum(self.examples[:step])), epoch=float(round(state.epoch or 0.0))
-        )
+        tokens, examples = self._seen(step)
+        self.add_point(model, step, tokens, examples, epoch=float(round(state.epoch or 0.0)))
 
     def add_point(
         self, model: Any, step: int, tokens: int, examples: int, *, epoch: float, loss: float | None = None
@@ -359,13 +364,14 @@ def example_targets(data: Any) -> np.ndarray | None:
     return np.maximum(lengths - np.maximum(prompt, 1), 0)
 
 
-def plan_token_weights(data: Any, plan: BatchPlan) -> list[float] | None:
+def plan_token_weights(data: Any, plan: BatchPlan, steps: np.ndarray | None = None) -> list[float] | None:
     """The weight of a target token per length quarter (shortest first) over its share in ``plan``, a
-    run's epoch-0 plan (:func:`~smart_batching.analysis.weights.token_weights`); None without targets."""
+    run's epoch-0 plan (:func:`~smart_batching.analysis.weights.token_weights`; ``steps``: the optimizer
+    step of each segment where a step holds several batches); None without targets."""
     targets = example_targets(data)
     if targets is None or not targets.any():
         return None
-    return token_weights(plan, targets)
+    return token_weights(plan, targets, steps)
 
 
 __all__ = [

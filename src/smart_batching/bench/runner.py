@@ -54,7 +54,14 @@ from smart_batching.bench.config import DEFAULT_LR, BenchConfig
 from smart_batching.bench.curve import attach_time_to_target
 from smart_batching.bench.machine import machine_info, usable_cores, versions
 from smart_batching.bench.records import RECORD_FIELDS, RECORDS_NAME, append_record, read_records
-from smart_batching.bench.training import BenchContext, evaluate_model, run_one, strategy_options, warmup
+from smart_batching.bench.training import (
+    BenchContext,
+    evaluate_model,
+    row_accum_steps,
+    run_one,
+    strategy_options,
+    warmup,
+)
 from smart_batching.data.tasks import prepare_training_data
 from smart_batching.errors import ConfigError
 from smart_batching.planners import STRATEGIES, spec_class
@@ -91,7 +98,7 @@ def matched_budgets(
 ) -> dict[str, dict[str, int]]:
     """Per strategy with a token budget (its spec's ``budget_option``), the smallest budget whose plan
     for every seed (epoch 0) has at most ``ceil(n / batch_size)`` batches, the fixed-size strategies'
-    step count. A plan's batch count can depend on its seed (``window=`` packs or cuts within shuffled
+    step count (``k`` times that for a ``mix_steps=k`` row, whose steps are ``k`` batches). A plan's batch count can depend on its seed (``window=`` packs or cuts within shuffled
     windows), and a run with more steps than the fixed batches learns more from the same examples.
     Bisection over plans: O(seeds × log(n × longest)) plans per strategy."""
     from smart_batching.planners import option_limit, plan_batches
@@ -106,13 +113,14 @@ def matched_budgets(
         option = spec_class(base).budget_option
         if option is None:
             continue
+        most = target * row_accum_steps(name)
         lo, hi = longest, lengths.shape[0] * longest  # one batch of everything fits the top
         limit = option_limit(option)
         hi = min(hi, limit) if limit is not None else hi
         while lo < hi:
             mid = (lo + hi) // 2
             plans = (plan_batches(lengths, base, seed=seed, **{**options, option: mid}) for seed in seeds)
-            if all(len(plan) <= target for plan in plans):
+            if all(len(plan) <= most for plan in plans):
                 hi = mid
             else:
                 lo = mid + 1

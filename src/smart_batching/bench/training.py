@@ -25,6 +25,8 @@ from smart_batching.bench.machine import PeakMemory, release_memory
 from smart_batching.bench.measure import examples_digest, length_histogram, plan_token_weights
 from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.data.tasks import TrainingData
+from smart_batching.distributed import distribute
+from smart_batching.errors import ConfigError
 from smart_batching.planners import Knobs, make_spec, parse_strategy, plan_batches, spec_class
 
 
@@ -45,15 +47,37 @@ class BenchContext:
     """The held-out batches' hidden states before the first trained layer, shared by the bench's models."""
 
 
-TRAINER_ROW_OPTIONS = ("loss_normalization",)
+TRAINER_ROW_OPTIONS = ("loss_normalization", "mix_steps")
 """Options a row name may carry for the Trainer rather than the planner:
-``packed[loss_normalization=epoch]`` trains ``packed`` with ``SmartBatchingTrainer(loss_normalization="epoch")``."""
+``packed[loss_normalization=epoch]`` trains ``packed`` with ``SmartBatchingTrainer(loss_normalization="epoch")``;
+``group_by_length[mix_steps=2]`` runs each optimizer step as 2 micro-batches of half the row's batch
+(``batch_size`` and ``max_tokens`` divided by 2, ``gradient_accumulation_steps=2``) drawn from 2 length
+strata, ``SmartBatchingTrainer(mix_steps=True)``: a step holds as many examples as the plain row's."""
 
 
 def trainer_row_options(name: str) -> dict[str, Any]:
-    """The :data:`TRAINER_ROW_OPTIONS` of a row name (``{}`` for most rows)."""
+    """The :data:`TRAINER_ROW_OPTIONS` of a row name (``{}`` for most rows), as the Trainer takes them
+    (``mix_steps=k`` becomes ``mix_steps=True``; :func:`row_accum_steps` gives ``k``)."""
     _, variant = parse_strategy(name)
-    return {k: v for k, v in variant.items() if k in TRAINER_ROW_OPTIONS}
+    options = {k: v for k, v in variant.items() if k in TRAINER_ROW_OPTIONS}
+    if "mix_steps" in options:
+        options["mix_steps"] = row_accum_steps(name) > 1
+    return options
+
+
+def row_accum_steps(name: str) -> int:
+    """The micro-batches per optimizer step of a row: its ``mix_steps=k`` (1 without).
+
+    Raises:
+        ConfigError: ``mix_steps`` that is not a whole number of at least 1.
+    """
+    _, variant = parse_strategy(name)
+    k = variant.get("mix_steps", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(
+            f"row {name!r}: mix_steps= takes the micro-batches per step, a whole number >= 1 (got {k!r})"
+        )
+    return k
 
 
 def strategy_options(
@@ -66,8 +90,14 @@ def strategy_options(
 
     base, variant = parse_strategy(name)
     variant = {k: v for k, v in variant.items() if k not in TRAINER_ROW_OPTIONS}
+    k = row_accum_steps(name)
+    if batch_size % k:
+        raise ConfigError(
+            f"row {name!r}: mix_steps={k} cuts a step of batch_size={batch_size} into {k} micro-batches; "
+            f"choose a batch size divisible by {k}"
+        )
     options = spec_class(base).options_from(
-        Knobs(batch_size=batch_size, max_tokens=max_tokens, capacity=capacity)
+        Knobs(batch_size=batch_size // k, max_tokens=max_tokens // k, capacity=capacity)
     )
     return base, {**options, **variant, **(budgets or {}).get(name, {})}
 
@@ -202,7 +232,7 @@ def held_out_eval(bench: BenchContext, model: Any) -> dict[str, Any]:
             model.config.use_cache = cache
 
 
-def _curve_callback(bench: BenchContext, collator: Any) -> Any:
+def _curve_callback(bench: BenchContext, collator: Any, micro_per_step: int = 1) -> Any:
     """The :class:`~.curve.HeldOutCurve` of a run (its cadence from the settings; ``auto`` resolved from
     the data sizes), with the initial weights' loss as its first point."""
     from smart_batching.bench.curve import auto_cadence, parse_eval_every
@@ -223,6 +253,7 @@ def _curve_callback(bench: BenchContext, collator: Any) -> Any:
         examples=collator.examples,
         initial_loss=(bench.eval_initial or {}).get("loss"),
         epoch_ends=not rank_of_several,
+        micro_per_step=micro_per_step,
     )
 
 
@@ -231,7 +262,7 @@ def _curve_callback(bench: BenchContext, collator: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
+def _training_args(bench: BenchContext, seed: int, output_dir: str, accum_steps: int = 1) -> Any:
     import torch
     from transformers import TrainingArguments
 
@@ -244,6 +275,7 @@ def _training_args(bench: BenchContext, seed: int, output_dir: str) -> Any:
         output_dir=output_dir,
         num_train_epochs=s["epochs"],
         per_device_train_batch_size=s["batch_size"],
+        gradient_accumulation_steps=accum_steps,
         learning_rate=s["lr"],
         lr_scheduler_type=s.get("lr_schedule", "constant"),
         warmup_steps=0,
@@ -346,7 +378,11 @@ def run_one(
     # are the balanced plan's), what epoch 0 does to the weight of a token.
     plans = [plan_batches(data.lengths, base, seed=seed, epoch=e, **options) for e in (0, 1)]
     record["randomness"] = randomness_record(*plans)
-    record["token_weights"] = plan_token_weights(data, plans[0]) if launcher is None else None
+    accum = row_accum_steps(strategy)
+    steps = None  # one batch per step, or (mix_steps) the optimizer step of each segment, as trained
+    if accum > 1:
+        steps = distribute(plans[0], 1, accum_steps=accum, mix_steps=True, seed=seed).segment_steps()
+    record["token_weights"] = plan_token_weights(data, plans[0], steps) if launcher is None else None
     del model
     release_memory()
     return record
@@ -395,7 +431,8 @@ def train_run(
         inner = make_collator(base, pad_token_id=pad, **({"pad_to_multiple_of": width} if width else {}))
     collator = CountingCollator(inner)
     timer, losses = StepTimer(bench.device), LossRecorder()
-    curve = _curve_callback(bench, collator)
+    accum = row_accum_steps(strategy)
+    curve = _curve_callback(bench, collator, accum)
     # Bars only on a terminal; in logs the per-run lines say enough.
     bar = ProgressBar(label, enabled=progress and sys.stderr.isatty())
     model = bm.fresh(bench.device)
@@ -404,7 +441,7 @@ def train_run(
     with tempfile.TemporaryDirectory(prefix="smart-batching-bench-") as tmp:
         trainer = SmartBatchingTrainer(
             model=model,
-            args=_training_args(bench, seed, tmp),
+            args=_training_args(bench, seed, tmp, accum),
             train_dataset=data.train,
             data_collator=collator,
             compute_loss_func=classification_loss if bm.kind == "classifier" else None,
@@ -459,6 +496,8 @@ def train_run(
         ids = np.concatenate([p.example_ids for p in plans])
         seg_lengths = np.concatenate([p.seg_lengths for p in plans])
         imbalance = None
+    if micro_per_step is None and accum > 1:
+        micro_per_step = [accum] * int(trainer.state.global_step)
     stats = plans[0].stats()
     measured = {
         "world_size": 1,

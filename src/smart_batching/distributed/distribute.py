@@ -10,7 +10,9 @@ all-reduce, so the micro-batches of one step are chosen together:
 1. Cost each micro-batch of the base plan (any strategy): real tokens by default, ``"attention"`` for
    Σ length² (long sequences), or ``"slots"`` for padded tokens.
 2. Sort micro-batches by cost and deal consecutive runs of ``G`` (similar costs) to a step, snake-wise
-   over ranks inside the step (vectorised over steps).
+   over ranks inside the step (vectorised over steps). With ``mix_steps`` a step instead takes one run of
+   ``world_size`` similar micro-batches from each of ``accum_steps`` cost strata, so its micro-batch
+   rounds span the length range while its ranks still carry equal costs.
 3. The ragged tail (``B mod G`` cheapest micro-batches and the step before them, more if they hold
    too few examples) is pooled and dealt again, costliest example first, into whole steps: nothing is
    dropped and no work is added. Only with fewer examples than slots does a step get an empty slot,
@@ -150,6 +152,19 @@ class DistributedPlan:
         """Positions in ``base``'s flat segment arrays of micro-batch ``m``."""
         return self.segment_order[self.micro_batch_start[m] : self.micro_batch_end[m]]
 
+    def segment_steps(self) -> np.ndarray:
+        """``(base.num_segments,)`` the optimizer step that trains each segment of ``base`` (every
+        segment is in exactly one micro-batch; -1 for none). Vectorised over the filled slots."""
+        flat = self.assignment.reshape(-1)
+        slots = np.flatnonzero(flat >= 0)
+        ids = flat[slots]
+        sizes = self.micro_batch_end[ids] - self.micro_batch_start[ids]
+        starts = np.repeat(self.micro_batch_start[ids] - np.cumsum(sizes) + sizes, sizes)
+        positions = self.segment_order[starts + np.arange(int(sizes.sum()))]
+        out = np.full(self.base.num_segments, -1, dtype=np.int64)
+        out[positions] = np.repeat(slots // (self.world_size * self.accum_steps), sizes)
+        return out
+
     def micro_batch_examples(self, m: int) -> np.ndarray:
         return self.base.example_ids[self.micro_batch_segments(m)]
 
@@ -225,6 +240,7 @@ def distribute(
     seed: int = 0,
     balance_rounds: int = 64,
     max_extra_steps: int | None = None,
+    mix_steps: bool = False,
 ) -> DistributedPlan:
     """Deal a plan's micro-batches to ranks so every rank carries the same cost at every step.
 
@@ -240,6 +256,12 @@ def distribute(
             evened out in as many steps (long examples that fill a token budget alone leave their
             steps light, so the other steps cannot hold the rest); None: as many as it takes, 0: never
             more than ``ceil(num_batches / G)`` steps.
+        mix_steps: with ``accum_steps > 1``, draw the micro-batches of each optimizer step across the
+            cost range instead of taking ``G`` similar ones (:func:`_mix_strata`): micro-batch round
+            ``j`` of every step comes from cost stratum ``j``, so a step of a length-grouped plan holds
+            short and long examples alike and its tokens vary less from step to step (what a token
+            weighs in the update follows them); every micro-batch, and so the padding, is the plan's,
+            and every rank still gets one micro-batch of each stratum (the same cost).
 
     Returns:
         The distributed plan; each rank reads its micro-batches with :meth:`DistributedPlan.rank_micro_batches`.
@@ -259,6 +281,8 @@ def distribute(
     limits = plan.spec.micro_batch_limits()
     mbs = _cost_micro_batches(plan, seg_cost)
     by_cost = _deal_tail(mbs, group, seg_cost, plan.seg_lengths, limits)
+    if mix_steps:
+        by_cost = _mix_strata(by_cost, world_size, accum_steps, seed, plan.epoch)
     assignment = _snake_deal(by_cost, world_size, accum_steps)
     if world_size > 1 and mbs.start.shape[0] and balance_rounds:
         _balance_uneven(assignment, mbs, seg_cost, plan.seg_lengths, limits, balance_rounds)
@@ -355,6 +379,29 @@ def _deal_tail(
     rank = np.argsort(-mbs.costs[new_ids], kind="stable")
     # An empty piece (fewer segments than slots) is an empty slot: -1.
     return np.concatenate([keep, np.where(dealt[1][rank] > 0, new_ids[rank], -1)])
+
+
+def _mix_strata(by_cost: np.ndarray, world_size: int, accum_steps: int, seed: int, epoch: int) -> np.ndarray:
+    """Phase 2b (``mix_steps``): the slots, costliest first, cut into ``accum_steps`` cost strata of
+    whole runs of ``world_size`` (one micro-batch round: similar costs, one per rank); step ``s`` takes
+    one run of every stratum, drawn at random without replacement (seeded by ``(seed, epoch,
+    world_size, accum_steps)``), stratum ``j`` as its round ``j``. Vectorised::
+
+        2 steps x 2 rounds x 1 rank, by cost   u0 u1 | u2 u3       (strata: costly, cheap)
+        slot order                             u1 u2 | u0 u3       (each step: one of each)
+
+    Empty slots (-1, the cheapest) stay in the last stratum, at most one run per step."""
+    group = world_size * accum_steps
+    num_steps = -(-by_cost.shape[0] // group)
+    if accum_steps == 1 or num_steps < 2:
+        return by_cost
+    slots = np.full(num_steps * group, -1, dtype=np.int64)
+    slots[: by_cost.shape[0]] = by_cost
+    runs = slots.reshape(accum_steps, num_steps, world_size)  # runs[j]: stratum j, costliest first
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), world_size, accum_steps, 1]))
+    draw = rng.permuted(np.broadcast_to(np.arange(num_steps), (accum_steps, num_steps)), axis=1)
+    mixed = np.take_along_axis(runs, draw[:, :, None], axis=1)  # (accum_steps, num_steps, world_size)
+    return mixed.transpose(1, 0, 2).reshape(-1)  # step-major: step s is round 0, round 1, ...
 
 
 def _snake_deal(by_cost: np.ndarray, world_size: int, accum_steps: int) -> np.ndarray:

@@ -45,6 +45,7 @@ STATE_FIELDS = {
     "cost": ("text", False),
     "max_extra_steps": ("count?", False),
     "replanned_examples": ("count", False),
+    "mix_steps": ("count", False),
 }
 
 
@@ -61,6 +62,8 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             as many (see :func:`~smart_batching.distributed.distribute`); None: as many as it takes.
             The default 0 keeps at most ``ceil(num_batches / world_size)`` micro-batches per rank,
             the length the Trainer integration sizes an epoch on.
+        mix_steps: draw each optimizer step's ``accum_steps`` micro-batch rounds from as many cost
+            strata (see :func:`~smart_batching.distributed.distribute`); the micro-batches are the plan's.
         seed, epoch, **options: as :class:`~smart_batching.sampler.SmartBatchSampler`.
     """
 
@@ -73,11 +76,13 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
         accum_steps: int = 1,
         cost: str = "tokens",
         max_extra_steps: int | None = 0,
+        mix_steps: bool = False,
         seed: int = 0,
         epoch: int = 0,
         **options: Any,
     ) -> None:
         self.world = world if world is not None else World.detect()
+        self.mix_steps = bool(mix_steps)
         self.max_extra_steps = max_extra_steps
         self.accum_steps = int(accum_steps)
         self.cost = cost
@@ -106,6 +111,7 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
                 cost=self.cost,
                 seed=self.seed,
                 max_extra_steps=self.max_extra_steps,
+                mix_steps=self.mix_steps,
             )
             self._dist_key = key
         return self._dist
@@ -144,6 +150,7 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             accum_steps=self.accum_steps,
             cost=self.cost,
             max_extra_steps=self.max_extra_steps,
+            mix_steps=int(self.mix_steps),
         )
         if self._subset is not None and self._subset_epoch == self._epoch:
             state["replanned_examples"] = int(self._subset.shape[0])
@@ -171,6 +178,11 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             raise ConfigError(
                 f"cannot resume the batch sampler: it was saved with max_extra_steps="
                 f"{state['max_extra_steps']!r}, now {self.max_extra_steps!r} (the plans differ); pass the same"
+            )
+        if bool(state.get("mix_steps", 0)) != self.mix_steps:
+            raise ConfigError(
+                f"cannot resume the batch sampler: it was saved with mix_steps={bool(state['mix_steps'])}, "
+                f"now {self.mix_steps} (the plans differ); pass the same"
             )
         saved_world = int(state.get("world_size", 1))
         saved_accum = int(state.get("accum_steps", 1))
@@ -201,6 +213,7 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
             cost=self.cost,
             seed=self.seed,
             max_extra_steps=self.max_extra_steps,
+            mix_steps=self.mix_steps,
         )
         if done_steps > old.num_steps:
             raise ConfigError(
@@ -222,7 +235,7 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
     def __repr__(self) -> str:
         return (
             f"DistributedSmartBatchSampler({self.spec!r}, rank={self.world.rank}, world_size={self.world.world_size}, "
-            f"accum_steps={self.accum_steps}, epoch={self._epoch}, batches_yielded={self._batches_yielded})"
+            f"accum_steps={self.accum_steps}, mix_steps={self.mix_steps}, epoch={self._epoch}, batches_yielded={self._batches_yielded})"
         )
 
 

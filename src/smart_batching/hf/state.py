@@ -55,6 +55,7 @@ class SmartBatchingState:
         loss_normalization: ``"step"`` or ``"epoch"`` (:mod:`smart_batching.hf.step_weight`).
         epoch_normalization: with ``"epoch"``, its :class:`~smart_batching.hf.step_weight.EpochNormalization`
             callback (``mean_targets``: the plan's target tokens per step; ``factors``: each step's scale).
+        mix_steps: each step's micro-batches drawn from as many length strata (one process or several).
     """
 
     spec: Any
@@ -93,3 +94,4 @@ class SmartBatchingState:
     step_stream: Any = None
     loss_normalization: str = "step"
     epoch_normalization: Any = None
+    mix_steps: bool = False

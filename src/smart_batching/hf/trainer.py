@@ -87,6 +87,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         lr_scaling: str | None = None,
         oom_backoff: Any = None,
         loss_normalization: str = "step",
+        mix_steps: bool = False,
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -107,6 +108,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
             lr_scaling=lr_scaling,
             oom_backoff=oom_backoff,
             loss_normalization=loss_normalization,
+            mix_steps=mix_steps,
         )
 
     def setup_smart_batching(
@@ -127,6 +129,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         lr_scaling: str | None = None,
         oom_backoff: Any = None,
         loss_normalization: str = "step",
+        mix_steps: bool = False,
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -177,6 +180,13 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 target tokens over the plan's mean per step, the same update as a loss over that mean
                 clipped at ``max_grad_norm`` times the same ratio (:mod:`smart_batching.hf.step_weight`).
                 Refused with a streamed dataset, a ``batch_schedule`` and DeepSpeed.
+            mix_steps: With ``gradient_accumulation_steps`` > 1, each optimizer step's micro-batch rounds
+                come from as many length (cost) strata of the plan's micro-batches, instead of the
+                consecutive batches of a shuffled plan (one process) or similar micro-batches (several):
+                a step of ``group_by_length`` then holds short and long examples and its target
+                tokens vary less between steps, while every micro-batch, and so the padding, is the
+                plan's (:func:`~smart_batching.distributed.distribute`). Refused with one micro-batch per
+                step, a streamed dataset and a ``batch_schedule``.
 
         Raises:
             ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
@@ -209,6 +219,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         )
         self._setup_adaptive(batch_schedule, lr_scaling, oom_backoff)
         self._setup_step_weight(loss_normalization)
+        self.smart_batching.mix_steps = self._check_mix_steps(mix_steps)
 
         self.smart_batching.precision = describe_precision(self)
         warn_slow_cpu_precision(self, self.smart_batching.precision)
@@ -240,6 +251,29 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
             logger.info("smart batching: from the trainer's arguments: %s", upstream)
 
     # -- data ---------------------------------------------------------------------------------------
+
+    def _check_mix_steps(self, mix_steps: Any) -> bool:
+        """``mix_steps`` as a bool, refused where a step has nothing to mix or no whole plan."""
+        if not isinstance(mix_steps, bool):
+            raise ConfigError(f"mix_steps= takes True or False, got {mix_steps!r}")
+        if not mix_steps:
+            return False
+        if self.args.gradient_accumulation_steps < 2:
+            raise ConfigError(
+                "mix_steps=True draws each optimizer step's micro-batches from different length strata, "
+                "and a step of gradient_accumulation_steps=1 has one: set "
+                "TrainingArguments(gradient_accumulation_steps=k) with k >= 2 (the batch size a micro-batch)"
+            )
+        if self.train_dataset is not None and _is_iterable(self.train_dataset):
+            raise ConfigError(
+                "mix_steps=True needs the whole plan of an epoch, and a streamed train_dataset has none: "
+                "pass a map-style dataset or drop mix_steps"
+            )
+        if self.smart_batching.batch_schedule is not None:
+            raise ConfigError(
+                "mix_steps=True and batch_schedule= together: a schedule forms its own steps; drop one"
+            )
+        return True
 
     def _resolve_auto_budget(
         self, strategy: Any, options: dict[str, Any], lengths: Any, length_column: str | None
@@ -284,7 +318,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         args = self.args
         if self.smart_batching.batch_schedule is not None:
             return self._step_sampler(lengths, units)
-        if args.world_size > 1:
+        if args.world_size > 1 or self.smart_batching.mix_steps:
             from smart_batching.distributed import World
             from smart_batching.distributed.sampler import DistributedSmartBatchSampler
 
@@ -293,6 +327,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 self.smart_batching.spec,
                 world=World(args.process_index, args.world_size),
                 accum_steps=args.gradient_accumulation_steps,
+                mix_steps=self.smart_batching.mix_steps,
                 seed=self.smart_batching.seed,
                 units=units,
             )
