@@ -42,8 +42,11 @@ STRATEGIES = (
     "random", "group_by_length", "token_budget", "packed", "packed[auto]", "packed[spread]", "packed[window=32]",
     "group_by_length[window=32]", "packed[costliest_first=False]", "token_budget[costliest_first=False]",
     "group_by_length[loss_normalization=epoch]", "packed[algorithm=auto,loss_normalization=epoch]",
+    "group_by_length[mix_steps=2]",
 )  # fmt: skip
-"""``packed`` is its default, ``spread_fit`` (rows of mixed lengths); ``packed[auto]`` the tightest rows."""
+"""``packed`` is its default, ``spread_fit`` (rows of mixed lengths); ``packed[auto]`` the tightest rows.
+``group_by_length[mix_steps=2]``: a step is two micro-batches of half the batch, one from each length
+stratum (``SmartBatchingTrainer(mix_steps=True)``), as the bench runs it."""
 
 
 def step_weights(
@@ -51,7 +54,8 @@ def step_weights(
 ) -> dict[str, Any]:
     """The measures of the module docstring for one strategy (means over ``seeds``)."""
     from smart_batching.bench.runner import _resolve_sizes, matched_budgets
-    from smart_batching.bench.training import strategy_options, trainer_row_options
+    from smart_batching.bench.training import row_accum_steps, strategy_options, trainer_row_options
+    from smart_batching.distributed import distribute
     from smart_batching.planners import plan_batches
 
     mt, cap = _resolve_sizes(lengths, batch_size, None, None)
@@ -64,7 +68,14 @@ def step_weights(
     per_seed = []
     for seed in seeds:
         plan = plan_batches(lengths, base, seed=seed, **options)
-        steps = [np.asarray(b) for b in plan]
+        accum = row_accum_steps(strategy)
+        if (
+            accum > 1
+        ):  # the micro-batches of each optimizer step, as SmartBatchingTrainer(mix_steps=True) forms them
+            of_step = distribute(plan, 1, accum_steps=accum, mix_steps=True, seed=seed).segment_steps()
+            steps = [plan.example_ids[of_step == k] for k in range(int(of_step.max()) + 1)]
+        else:
+            steps = [np.asarray(b) for b in plan]
         per_step = np.array([targets[b].sum() for b in steps], dtype=np.float64)  # (steps,)
         ex = np.concatenate(steps)
         # Weight of each example's tokens: 1 / its step's targets, relative to 1 / the mean (uniform);

@@ -76,6 +76,10 @@ def main() -> int:
             }
         )  # fmt: skip
     )
+    # The DDP model (held by the trainer) goes before the process group: destroying a gloo group that a
+    # live DDP reducer still holds can hang or abort (smart_batching.distributed.shutdown); this worker
+    # kept its trainer and hung until the test's timeout twice, both times beside other tests (-n 2).
+    del trainer, model, deltas
     shutdown()
     return 0
 

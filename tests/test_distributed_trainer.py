@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launched import run_launcher
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ def run_ddp(strategy: str, out: Path, nproc: int = 2) -> tuple[list[dict], dict]
         str(ROOT / "examples" / "ddp_trainer.py"), "--strategy", strategy, "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launcher(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"strategy"')][-1])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], summary
@@ -70,7 +70,7 @@ def test_cli_train_two_processes(tmp_path: Path) -> None:
         "--nproc", "2", "--out", str(tmp_path), "--json",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    proc = run_launcher(cmd, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"strategy"')][-1])
     assert summary["world_size"] == 2 and summary["steps"] == 3

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
+from launched import run_launcher  # noqa: E402
 from test_trainer import counting_dataset, tiny_llama, training_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -160,7 +160,7 @@ def test_epoch_normalization_on_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(worker), "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launcher(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["factors"] == ranks[1]["factors"] and ranks[0]["mean_targets"] == ranks[1]["mean_targets"]
