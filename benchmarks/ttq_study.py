@@ -65,11 +65,12 @@ held-out loss every half epoch (GSM8K, HumanEval) or at epoch ends (SGD, LIMA: l
 examples)."""
 ROWS = (
     "random", "group_by_length", "token_budget", "packed[auto]", "packed[spread]", "packed[spread_fit]", "trl_packing",
-    "group_by_length[mix_steps=2]",
+    "group_by_length[mix_steps=2]", "token_budget[mix_steps=2]",
 )  # fmt: skip
 """``packed[spread_fit]`` is ``packed``'s default since issue 34; ``packed[auto]`` the default before.
 ``group_by_length[mix_steps=2]``: each step two micro-batches of half the batch, one from each length
-stratum (``SmartBatchingTrainer(mix_steps=True)``, ``gradient_accumulation_steps=2``)."""
+stratum (``SmartBatchingTrainer(mix_steps=True)``, ``gradient_accumulation_steps=2``);
+``token_budget[mix_steps=2]`` likewise, its budget matched to twice the fixed rows' batches."""
 CANDIDATES = ("group_by_length[loss_normalization=epoch]", "packed[algorithm=auto,loss_normalization=epoch]")
 """Rows of the first pass (``--strategies`` runs them): no better than their base rows anywhere there."""
 LOSS_ON = "completion"
@@ -246,14 +247,19 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one run in this process (the child of :func:`launch`); its slimmed record."""
     import torch
 
+    from smart_batching.bench.training import row_accum_steps
+
     task, row, seed, s = spec["task"], spec["row"], spec["seed"], spec["settings"]
     torch.set_num_threads(spec["threads"])
     budget = s["budgets"]["rows"].get(row, {})
+    # The bench divides a [mix_steps=k] row's max_tokens among its k micro-batches; the matched budget is
+    # already a micro-batch's, so the step's is k times it.
+    per_step = row_accum_steps(row) if row != TRL else 1
     common = {
         "model": "smollm2", "model_options": {"trainable_layers": s["trainable_layers"]},
         "num_examples": s["num_examples"], "batch_size": s["batch_size"], "epochs": s["epochs"],
         "max_length": s["max_length"], "lr": s["lr"], "lr_schedule": "linear", "match_steps": False,
-        "max_tokens": budget.get("max_tokens", s["budgets"]["max_tokens"]),
+        "max_tokens": budget["max_tokens"] * per_step if "max_tokens" in budget else s["budgets"]["max_tokens"],
         "capacity": budget.get("capacity", s["budgets"]["capacity"]),
         "eval_examples": s["eval_examples"], "num_generations": 0, "eval_every": s["eval_every"],
         "device": s["device"], "threads": spec["threads"], "render": False, "progress": False,

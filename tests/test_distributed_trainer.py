@@ -15,10 +15,10 @@ from ports import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_ddp(strategy: str, out: Path, nproc: int = 2) -> tuple[list[dict], dict]:
+def run_ddp(strategy: str, out: Path, nproc: int = 2, *extra: str) -> tuple[list[dict], dict]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        str(ROOT / "examples" / "ddp_trainer.py"), "--strategy", strategy, "--out", str(out),
+        str(ROOT / "examples" / "ddp_trainer.py"), "--strategy", strategy, "--out", str(out), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = run_launcher(cmd, env=env, timeout=600)
@@ -52,6 +52,27 @@ def test_trainer_ddp_group_by_length_longest_first(tmp_path: Path) -> None:
     lengths = np.random.default_rng(0).integers(6, 120, size=240)  # ddp_trainer.make_dataset's lengths
     firsts = [i for r in records for i in r["batches"][0]]
     assert lengths[firsts].max() == lengths.max()
+
+
+def test_trainer_ddp_mix_steps(tmp_path: Path) -> None:
+    """mix_steps on 2 processes: each rank's 2 micro-batches of a step come from the long and the short
+    stratum of group_by_length's micro-batches, the ranks stay even, and the steps' tokens (both ranks)
+    vary far less than the plain plan's, whose steps are one length stratum."""
+    lengths = np.random.default_rng(0).integers(6, 120, size=240)  # ddp_trainer.make_dataset's lengths
+    step_tokens = {}
+    for mix in (False, True):
+        records, summary = run_ddp(
+            "group_by_length", tmp_path / str(mix), 2, *(["--mix-steps"] if mix else [])
+        )
+        check(records, summary)
+        step_tokens[mix] = np.sum([r["tokens_per_step"] for r in records], axis=0)
+        if mix:
+            for r in records:
+                rounds = [lengths[b].max() for b in r["batches"]]  # longest example of each micro-batch
+                longer = np.array(rounds[0::2]) >= np.array(rounds[1::2])
+                assert longer.mean() >= 0.9  # round 0 the long stratum (the balancer may move a segment)
+    cv = {k: np.std(v) / np.mean(v) for k, v in step_tokens.items()}
+    assert cv[True] < cv[False] / 2, cv
 
 
 @pytest.mark.slow
