@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ports import free_port
+from launched import run_launcher
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -23,15 +22,14 @@ WORKER = Path(__file__).resolve().parent / "adaptive_ddp_worker.py"
 
 def launch(out: Path, runs: list[dict], *args: str, nproc: int = 2) -> list[list[dict]]:
     """Run ``runs`` on ``nproc`` ranks; returns each run's records, one per rank."""
-    port = free_port()
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-        "127.0.0.1", "--master_port", str(port), str(WORKER), "--out", str(out), "--runs", json.dumps(runs), *args,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        str(WORKER), "--out", str(out), "--runs", json.dumps(runs), *args,
     ]  # fmt: skip
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SMART_BATCHING_FAIL_")}
     full_env = {**clean, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # A hang (a rank waiting in a collective the other never reaches) fails here instead of blocking.
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=420)
+    proc = run_launcher(cmd, env=full_env, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [
         [torch.load(out / f"run{i}_rank{r}.pt", weights_only=False) for r in range(nproc)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ports import free_port
+from ports import store_init
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, init: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_schedule_under_fsdp2_matches_one_process(tmp_path: Path) -> None:
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = store_init(tmp_path)
     out = tmp_path / "fsdp.json"
     mp.spawn(_worker, args=(2, init, str(out)), nprocs=2, join=True)
     reports = json.loads(out.read_text())

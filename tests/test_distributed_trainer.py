@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from launched import run_launcher
-from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +89,7 @@ def test_cli_train_two_processes(tmp_path: Path) -> None:
         "--strategy", "packed", "--capacity", "1024", "--max-length", "1024", "--max-steps", "3",
         "--nproc", "2", "--out", str(tmp_path), "--json",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # the CLI runs torchrun --standalone
     proc = run_launcher(cmd, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"strategy"')][-1])

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ports import free_port
+from ports import store_init
 
 from smart_batching.distributed.even_steps import EvenSteps, null_batch
 from smart_batching.errors import ConfigError
@@ -112,10 +111,9 @@ class _EpochsDataset(torch.utils.data.IterableDataset):
 COUNTS = {0: 5, 1: 2, 2: 0}
 
 
-def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world_size: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         mine = [_batch(10 * rank + i) for i in range(COUNTS[rank])]
         report: dict = {}
@@ -131,7 +129,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 
 
 def _run(tmp_path: Path, world_size: int) -> list[dict]:
-    mp.spawn(_rank_main, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size, join=True)
+    mp.spawn(_rank_main, args=(world_size, store_init(tmp_path), str(tmp_path)), nprocs=world_size, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ports import free_port
+from launched import run_launcher
+from ports import store_init
 
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.distributed import World, shutdown
@@ -119,7 +120,7 @@ def _reference(strategy: str, per_rank_micro: list[list[list[int]]]) -> dict[str
 
 
 def test_fsdp2_matches_one_process(tmp_path: Path) -> None:
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = store_init(tmp_path)
     out = tmp_path / "fsdp.json"
     mp.spawn(_worker, args=(2, init, str(out)), nprocs=2, join=True)
     reports = json.loads(out.read_text())
@@ -143,18 +144,16 @@ def test_fsdp2_matches_one_process(tmp_path: Path) -> None:
 
 
 def _trainer_run(tmp_path: Path, *extra: str) -> tuple[list[dict], dict]:
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    port = free_port()
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "examples" / "ddp_trainer.py"), "--strategy", "packed",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(root / "examples" / "ddp_trainer.py"), "--strategy", "packed",
         "--out", str(tmp_path), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launcher(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"strategy"')][-1])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)], summary

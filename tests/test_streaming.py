@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ports import free_port
+from ports import store_init
 from strategy_cases import cases
 from torch.utils.data import DataLoader
 
@@ -482,10 +482,10 @@ def test_world_is_explicit_or_detected() -> None:
         StreamingBatchDataset(LENGTHS, "random", batch_size=2, rank=1)
 
 
-def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _rank_main(rank: int, world_size: int, init: str, out: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         report = {}
         sources = {
@@ -509,7 +509,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_gloo_exactly_once(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, store_init(tmp_path), str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for key in reports[0]:
         per_rank = [r[key] for r in reports]

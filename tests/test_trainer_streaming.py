@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ports import free_port
+from launched import run_launcher
 
 datasets = pytest.importorskip("datasets")
 
@@ -97,21 +97,19 @@ def test_trainer_on_two_processes_with_a_streamed_dataset(tmp_path, num_shards) 
     import json
     import math
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    port = free_port()
     num_examples, accum = 203, 2
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "examples" / "ddp_streaming.py"), "--out", str(tmp_path),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(root / "examples" / "ddp_streaming.py"), "--out", str(tmp_path),
         "--num-examples", str(num_examples), "--num-shards", str(num_shards), "--accum", str(accum),
         "--epochs", "2",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launcher(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["global_steps"] == ranks[1]["global_steps"]

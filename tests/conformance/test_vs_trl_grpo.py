@@ -342,20 +342,19 @@ def two_ranks(model_dir, tmp_path_factory):
     :data:`TWO_RANK_LAYOUTS`; ``{layout: [rank 0 record, rank 1 record]}``."""
     import json
     import os
-    import subprocess
 
-    from ports import free_port
+    from launched import run_launcher
 
     out = tmp_path_factory.mktemp("grpo-ddp")
     worker = Path(__file__).resolve().parents[1] / "grpo_ddp_worker.py"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(worker), "--out", str(out), "--model", model_dir,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(worker), "--out", str(out), "--model", model_dir,
         "--layouts", json.dumps(TWO_RANK_LAYOUTS),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launcher(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {
         n: [torch.load(out / f"{n}_rank{r}.pt", weights_only=False) for r in range(2)]
