@@ -54,8 +54,7 @@ def step_weights(
 ) -> dict[str, Any]:
     """The measures of the module docstring for one strategy (means over ``seeds``)."""
     from smart_batching.bench.runner import _resolve_sizes, matched_budgets
-    from smart_batching.bench.training import row_accum_steps, strategy_options, trainer_row_options
-    from smart_batching.distributed import distribute
+    from smart_batching.bench.training import row_segment_steps, strategy_options, trainer_row_options
     from smart_batching.planners import plan_batches
 
     mt, cap = _resolve_sizes(lengths, batch_size, None, None)
@@ -68,14 +67,11 @@ def step_weights(
     per_seed = []
     for seed in seeds:
         plan = plan_batches(lengths, base, seed=seed, **options)
-        accum = row_accum_steps(strategy)
-        if (
-            accum > 1
-        ):  # the micro-batches of each optimizer step, as SmartBatchingTrainer(mix_steps=True) forms them
-            of_step = distribute(plan, 1, accum_steps=accum, mix_steps=True, seed=seed).segment_steps()
-            steps = [plan.example_ids[of_step == k] for k in range(int(of_step.max()) + 1)]
-        else:
+        of_step = row_segment_steps(strategy, plan, seed)  # None: one batch a step
+        if of_step is None:
             steps = [np.asarray(b) for b in plan]
+        else:
+            steps = [plan.example_ids[of_step == k] for k in range(int(of_step.max()) + 1)]
         per_step = np.array([targets[b].sum() for b in steps], dtype=np.float64)  # (steps,)
         ex = np.concatenate(steps)
         # Weight of each example's tokens: 1 / its step's targets, relative to 1 / the mean (uniform);

@@ -27,6 +27,7 @@ from smart_batching.bench.records import SCHEMA_VERSION
 from smart_batching.data.tasks import TrainingData
 from smart_batching.distributed import distribute
 from smart_batching.errors import ConfigError
+from smart_batching.plan import BatchPlan
 from smart_batching.planners import Knobs, make_spec, parse_strategy, plan_batches, spec_class
 
 
@@ -78,6 +79,16 @@ def row_accum_steps(name: str) -> int:
             f"row {name!r}: mix_steps= takes the micro-batches per step, a whole number >= 1 (got {k!r})"
         )
     return k
+
+
+def row_segment_steps(name: str, plan: BatchPlan, seed: int) -> np.ndarray | None:
+    """The optimizer step of each segment of ``plan`` as row ``name`` trains it on one process: None where
+    a step is one batch; for a ``[mix_steps=k]`` row, the steps ``SmartBatchingTrainer(mix_steps=True)``
+    forms (:func:`~smart_batching.distributed.distribute` with one rank and ``k`` micro-batches a step)."""
+    k = row_accum_steps(name)
+    if k == 1:
+        return None
+    return distribute(plan, 1, accum_steps=k, mix_steps=True, seed=seed).segment_steps()
 
 
 def strategy_options(
@@ -378,10 +389,7 @@ def run_one(
     # are the balanced plan's), what epoch 0 does to the weight of a token.
     plans = [plan_batches(data.lengths, base, seed=seed, epoch=e, **options) for e in (0, 1)]
     record["randomness"] = randomness_record(*plans)
-    accum = row_accum_steps(strategy)
-    steps = None  # one batch per step, or (mix_steps) the optimizer step of each segment, as trained
-    if accum > 1:
-        steps = distribute(plans[0], 1, accum_steps=accum, mix_steps=True, seed=seed).segment_steps()
+    steps = row_segment_steps(strategy, plans[0], seed)
     record["token_weights"] = plan_token_weights(data, plans[0], steps) if launcher is None else None
     del model
     release_memory()
@@ -701,8 +709,11 @@ __all__ = [
     "BenchContext",
     "evaluate_model",
     "held_out_eval",
+    "row_accum_steps",
+    "row_segment_steps",
     "run_one",
     "strategy_options",
     "train_run",
+    "trainer_row_options",
     "warmup",
 ]
