@@ -166,12 +166,18 @@ def trl_records(
 
 def trl_dataset(data: Any) -> Any:
     """The bench's tokenised training examples as TRL takes them: ``input_ids``, ``labels`` with the
-    prompt (and always the first token) masked, ``length``."""
+    prompt, the tokens off the ``assistant_masks`` where the data has them, and always the first token
+    masked, ``length``."""
     from datasets import Dataset
 
     ids = data.train["input_ids"]
     prompts = data.train["prompt_length"]
     labels = [[-100] * max(p, 1) + row[max(p, 1) :] for row, p in zip(ids, prompts, strict=True)]
+    if "assistant_masks" in data.train.column_names:
+        labels = [
+            [t if m else -100 for t, m in zip(row, mask, strict=True)]
+            for row, mask in zip(labels, data.train["assistant_masks"], strict=True)
+        ]
     return Dataset.from_dict({"input_ids": ids, "labels": labels, "length": [len(r) for r in ids]})
 
 

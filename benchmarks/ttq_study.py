@@ -53,16 +53,18 @@ TASKS: dict[str, dict[str, Any]] = {
     "lima": {"data": SHARED / "lima" / "lima.json", "num_examples": 16, "eval_examples": 6,
              "batch_size": 2, "max_length": None, "eval_every": "8"},
     "sgd": {"data": SHARED / "sgd_dialogues" / "train.jsonl.gz", "num_examples": 24, "eval_examples": 12,
-            "batch_size": 4, "max_length": None, "eval_every": "6"},
+            "batch_size": 4, "max_length": None, "eval_every": "6", "loss_on": "assistant"},
     "humaneval": {"data": None, "num_examples": 48, "eval_examples": 12, "batch_size": 4, "max_length": None,
                   "eval_every": "6"},
 }  # fmt: skip
 """Sizes chosen so the study (4 tasks x :data:`ROWS` x 5 seeds x 3 epochs) fits about 9 hours of a
 2-core machine at 2 runs at a time (RESULTS.md, "Time to quality in the real regime"): about 9,000 real
 tokens per epoch each (the whole model's forward pass is most of a step's cost, so the cost is per
-token), no truncation (SGD's loss is on its last reply, LIMA's lengths are what is studied), and the
-held-out loss every half epoch (GSM8K, HumanEval) or at epoch ends (SGD, LIMA: longer held-out
-examples)."""
+token), no truncation (LIMA's lengths are what is studied), and the held-out loss every half epoch
+(GSM8K, HumanEval) or at epoch ends (SGD, LIMA: longer held-out examples). SGD learns from, and is
+evaluated on, every assistant turn of its dialogues (``loss_on="assistant"``, about 170 target tokens a
+dialogue); its earlier passes learned from the last reply only (about 9), too few held-out tokens to tell
+1 %."""
 ROWS = (
     "random", "group_by_length", "token_budget", "packed[auto]", "packed[spread]", "packed[spread_fit]", "trl_packing",
     "group_by_length[mix_steps=2]", "token_budget[mix_steps=2]",
@@ -74,10 +76,11 @@ stratum (``SmartBatchingTrainer(mix_steps=True)``, ``gradient_accumulation_steps
 CANDIDATES = ("group_by_length[loss_normalization=epoch]", "packed[algorithm=auto,loss_normalization=epoch]")
 """Rows of the first pass (``--strategies`` runs them): no better than their base rows anywhere there."""
 LOSS_ON = "completion"
-"""What the bench's rows learn from, in every run's settings (and so its key): the completion, the prompt
-masked by the data's ``prompt_length``. The first pass's runs (settings without ``loss_on``) trained on
-every token: the Trainer dropped ``prompt_length`` before the bench's counting collator
-(``remove_unused_columns``); ``trl_packing`` learned from the completion in both."""
+"""What the bench's rows learn from unless the task says (``TASKS[task]["loss_on"]``), in every run's
+settings (and so its key): the completion, the prompt masked by the data's ``prompt_length``. The first
+pass's runs (settings without ``loss_on``) trained on every token: the Trainer dropped ``prompt_length``
+before the bench's counting collator (``remove_unused_columns``); ``trl_packing`` learned from the
+completion in both."""
 TRL = "trl_packing"
 LEGACY_ROWS = {
     "packed": "packed[auto]",
@@ -128,7 +131,7 @@ def task_settings(task: str, opts: argparse.Namespace) -> dict[str, Any]:
         "epochs": opts.epochs, "eval_every": opts.eval_every or spec["eval_every"], "device": opts.device,
         "num_examples": opts.num_examples or spec["num_examples"],
         "eval_examples": opts.eval_examples or spec["eval_examples"],
-        "batch_size": spec["batch_size"], "max_length": spec["max_length"], "loss_on": LOSS_ON,
+        "batch_size": spec["batch_size"], "max_length": spec["max_length"], "loss_on": spec.get("loss_on", LOSS_ON),
     }  # fmt: skip
 
 
@@ -165,6 +168,7 @@ def matched_budgets(task: str, settings: dict[str, Any], data: Path, rows: list[
     prepared = prepare_training_data(
         str(data), tokenizer=load_tokenizer("smollm2"), model_kind="causal", num_examples=settings["num_examples"],
         eval_examples=settings["eval_examples"], max_length=settings["max_length"], num_prompts=0,
+        loss_on=settings["loss_on"],
     )  # fmt: skip
     lengths, b = prepared.lengths, settings["batch_size"]
     mt, cap = _resolve_sizes(lengths, b, None, None)
@@ -258,7 +262,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     common = {
         "model": "smollm2", "model_options": {"trainable_layers": s["trainable_layers"]},
         "num_examples": s["num_examples"], "batch_size": s["batch_size"], "epochs": s["epochs"],
-        "max_length": s["max_length"], "lr": s["lr"], "lr_schedule": "linear", "match_steps": False,
+        "max_length": s["max_length"], "loss_on": s["loss_on"], "lr": s["lr"], "lr_schedule": "linear",
+        "match_steps": False,
         "max_tokens": budget["max_tokens"] * per_step if "max_tokens" in budget else s["budgets"]["max_tokens"],
         "capacity": budget.get("capacity", s["budgets"]["capacity"]),
         "eval_examples": s["eval_examples"], "num_generations": 0, "eval_every": s["eval_every"],
@@ -293,6 +298,7 @@ def trl_one(data: str, common: dict[str, Any], capacity: int, seed: int) -> dict
     prepared = prepare_training_data(
         data, tokenizer=bm.tokenizer, model_kind=bm.kind, num_examples=common["num_examples"],
         eval_examples=common["eval_examples"], max_length=common["max_length"], num_prompts=0,
+        loss_on=common["loss_on"],
     )  # fmt: skip
     settings = {"epochs": common["epochs"], "lr": common["lr"], "lr_schedule": "linear", "eval_batch_size": 8,
                 "max_new_tokens": 48, "num_generations": 0,

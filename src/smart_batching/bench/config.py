@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from smart_batching.data.tasks import LOSS_ON
 from smart_batching.errors import ConfigError
 from smart_batching.planners import STRATEGIES, parse_strategy
 
@@ -56,6 +57,8 @@ class BenchConfig:
             rounded up to 64 tokens (at least the longest example).
         capacity: tokens per ``packed`` row (one row per batch); None as ``max_tokens``.
         max_length: truncate examples to this many tokens, once, for every strategy; None keeps all.
+        loss_on: what a causal LM learns from, and is evaluated on: ``"completion"`` (the last reply) or
+            ``"assistant"`` (every assistant turn of a conversation; :data:`~smart_batching.data.tasks.LOSS_ON`).
         lr: peak learning rate; None means :data:`DEFAULT_LR` for the model.
         lr_schedule: the Trainer's ``lr_scheduler_type`` (``"constant"``, ``"linear"`` decay to 0, ...),
             the same for every run.
@@ -123,6 +126,7 @@ class BenchConfig:
     max_tokens: int | None = None
     capacity: int | None = None
     max_length: int | None = None
+    loss_on: str = "completion"
     lr: float | None = None
     lr_schedule: str = "constant"
     match_steps: bool = False
@@ -191,6 +195,10 @@ class BenchConfig:
         for name in ("match_steps", "append", "render", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"BenchConfig: {name}= must be True or False, got {getattr(self, name)!r}")
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(
+                f"BenchConfig: loss_on={self.loss_on!r} must be one of {', '.join(map(repr, LOSS_ON))}"
+            )
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"BenchConfig: precision={self.precision!r} must be one of {', '.join(PRECISIONS)}"

@@ -206,6 +206,7 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         eval_examples=c.eval_examples,
         max_length=c.max_length,
         num_prompts=c.num_generations,
+        loss_on=c.loss_on,
     )
     task = bench_data.task
     strategies, seeds = list(c.strategies), list(c.seeds)
@@ -229,6 +230,7 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         "max_tokens": mt,
         "capacity": cap,
         "max_length": c.max_length,
+        "loss_on": c.loss_on,
         "lr": lr,
         "lr_schedule": c.lr_schedule,
         "budgets": matched_budgets(bench_data.lengths, strategies, c.batch_size, mt, cap, seeds)

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from smart_batching.cli.analyze import add_adaptive_options, non_negative_int, positive_float, positive_int
+from smart_batching.data.tasks import LOSS_ON
 from smart_batching.planners import STRATEGIES
 
 DEFAULT_OUT = "out/bench"
@@ -81,6 +82,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument(
         "--max-length", type=positive_int, default=None, metavar="N",
         help="truncate examples to N tokens, once, for every strategy (default: keep all)",
+    )  # fmt: skip
+    d.add_argument(
+        "--loss-on", choices=LOSS_ON, default="completion",
+        help="what a causal LM learns from: the last reply (completion, default) or every assistant turn (assistant)",
     )  # fmt: skip
     r = p.add_argument_group("runs")
     r.add_argument(
@@ -223,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         capacity=args.capacity,
         max_length=args.max_length,
+        loss_on=args.loss_on,
         lr=args.lr,
         eval_data=args.eval_data,
         eval_examples=args.eval_examples,

@@ -24,6 +24,7 @@ from typing import Any
 
 from smart_batching.bench.machine import usable_cores
 from smart_batching.cli.analyze import add_adaptive_options, positive_float, positive_int
+from smart_batching.data.tasks import LOSS_ON
 from smart_batching.errors import ConfigError
 
 
@@ -59,6 +60,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens per packed row (packed); default: 2048, or --max-length if larger",
     )  # fmt: skip
     p.add_argument("--max-length", type=positive_int, default=2048, help="examples are truncated to this")
+    p.add_argument(
+        "--loss-on", choices=LOSS_ON, default="completion",
+        help="what the model learns from: the last reply (completion, default) or every assistant turn (assistant)",
+    )  # fmt: skip
     p.add_argument("--num-examples", type=positive_int, default=None, help="use only the first N examples")
     p.add_argument(
         "--epochs",
@@ -144,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         eval_examples=8,
         max_length=args.max_length,
         num_prompts=1,
+        loss_on=args.loss_on,
     )
     from smart_batching.planners import spec_class
 

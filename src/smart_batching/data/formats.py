@@ -163,11 +163,15 @@ class RenderedBatch:
         completions: The trained part.
         chat_template: True when the texts came from the tokenizer's chat template. Tokenise such
             text with ``add_special_tokens=False``: the template already wrote BOS and the like.
+        assistant_spans: with ``render_batch(..., assistant_spans=True)``, the ``[start, end)``
+            character spans of every assistant turn in each full text, in order (:func:`assistant_spans`);
+            else None.
     """
 
     prompts: list[str]
     completions: list[str]
     chat_template: bool
+    assistant_spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def texts(self) -> list[str]:
@@ -214,6 +218,7 @@ def render_batch(
     *,
     format: str = "auto",
     use_chat_template: bool | None = None,
+    assistant_spans: bool = False,
 ) -> RenderedBatch:
     """Render a batch of records to prompt and completion texts.
 
@@ -223,9 +228,15 @@ def render_batch(
         format: ``"auto"`` (:func:`detect_format`) or one of :data:`FORMATS`.
         use_chat_template: None: the per-shape default of the module docstring; True: always
             (except ``text``); False: never.
+        assistant_spans: also locate every assistant turn in the full texts
+            (:attr:`RenderedBatch.assistant_spans`, see :func:`assistant_spans`).
 
     Returns:
         A :class:`RenderedBatch` with one prompt and one completion per record.
+
+    Raises:
+        DataError: ``assistant_spans=True`` and the chat template writes an earlier turn differently
+            once a later one follows (an assistant turn cannot be located in the full text).
     """
     fmt = resolve_format(format, batch.keys())
     chat = uses_chat_template(
@@ -234,13 +245,58 @@ def render_batch(
     if fmt == "text":
         col = next(c for c in TEXT_COLUMNS if c in batch)
         texts = [_s(t) for t in batch[col]]
-        return RenderedBatch([""] * len(texts), texts, False)
+        spans = [[(0, len(t))] if t else [] for t in texts] if assistant_spans else None
+        return RenderedBatch([""] * len(texts), texts, False, spans)
     convs = _conversations(fmt, batch)
+    spans = None
     if chat:
         prompts, completions = _split_with_template(tokenizer, convs)
+        if assistant_spans:
+            fulls = [p + c for p, c in zip(prompts, completions, strict=True)]
+            spans = _template_spans(tokenizer, convs, fulls)
     else:
         prompts, completions = _split_plain(convs)
-    return RenderedBatch(prompts, completions, chat)
+        if assistant_spans:
+            spans = _plain_spans(convs, prompts, completions)
+    return RenderedBatch(prompts, completions, chat, spans)
+
+
+def assistant_spans(
+    batch: Mapping[str, Sequence[Any]],
+    tokenizer: Any = None,
+    *,
+    format: str = "auto",
+    use_chat_template: bool | None = None,
+) -> list[list[tuple[int, int]]]:
+    """The ``[start, end)`` character spans of every assistant turn in each record's full text.
+
+    What ``loss_on="assistant"`` trains on (TRL's ``assistant_only_loss``, without needing a chat template
+    with ``{% generation %}`` markers). With a chat template, a turn runs from the end of the template
+    applied to the turns before it with ``add_generation_prompt=True`` to the end of the template applied
+    up to and including it, so it holds the reply and its end-of-turn marker::
+
+        <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user ...
+                                                             |<- span 1 ------->|
+
+    Without a template (plain text), a turn is its content and the ``"\n"`` after it. ``text`` records
+    are one span, the whole text; ``prompt_completion`` records one span, the completion (its assistant
+    messages when conversational). A record without an assistant turn has no span.
+
+    >>> assistant_spans({"messages": [[{"role": "user", "content": "Hi"},
+    ...                                {"role": "assistant", "content": "Hello"},
+    ...                                {"role": "user", "content": "Bye"},
+    ...                                {"role": "assistant", "content": "See you"}]]})
+    [[(3, 9), (13, 20)]]
+
+    Raises:
+        DataError: the chat template writes an earlier turn differently once a later one follows, so a
+            turn cannot be located in the full text (use ``loss_on="completion"``, the last reply).
+    """
+    spans = render_batch(
+        batch, tokenizer, format=format, use_chat_template=use_chat_template, assistant_spans=True
+    ).assistant_spans
+    assert spans is not None
+    return spans
 
 
 def _s(value: Any) -> str:
@@ -348,6 +404,51 @@ def _split_with_template(tokenizer: Any, convs: list[tuple[list[dict], int]]) ->
         if k == len(msgs):
             prompts[i], completions[i] = fulls[i], ""
     return prompts, completions
+
+
+def _template_spans(
+    tokenizer: Any, convs: list[tuple[list[dict], int]], fulls: list[str]
+) -> list[list[tuple[int, int]]]:
+    """Assistant turns of templated conversations: two batched template calls over all their prefixes."""
+    todo = [
+        (i, j)
+        for i, (msgs, _) in enumerate(convs)
+        for j, m in enumerate(msgs)
+        if m.get("role") == "assistant"
+    ]
+    starts = _apply_template(tokenizer, [convs[i][0][:j] for i, j in todo], add_generation_prompt=True)
+    ends = _apply_template(tokenizer, [convs[i][0][: j + 1] for i, j in todo])
+    spans: list[list[tuple[int, int]]] = [[] for _ in convs]
+    for (i, j), before, through in zip(todo, starts, ends, strict=True):
+        full = fulls[i]
+        if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
+            raise BadRecordError(
+                i,
+                f"the chat template writes the turns before assistant message {j + 1} differently once later "
+                "turns follow, so that turn cannot be located in the full text; train on the last reply "
+                "(loss_on='completion') or use a template that renders earlier turns unchanged",
+            )
+        spans[i].append((len(before), len(through)))
+    return spans
+
+
+def _plain_spans(
+    convs: list[tuple[list[dict], int]], prompts: list[str], completions: list[str]
+) -> list[list[tuple[int, int]]]:
+    """Assistant turns of plain-text conversations (the contents joined by ``"\n"``, see _split_plain)."""
+    spans: list[list[tuple[int, int]]] = []
+    for (msgs, k), prompt, completion in zip(convs, prompts, completions, strict=True):
+        out: list[tuple[int, int]] = []
+        start = 0
+        for m in msgs[:k]:  # the prompt: contents joined by "\n"
+            end = start + len(_s(m.get("content")))
+            if m.get("role") == "assistant":
+                out.append((start, min(end + 1, len(prompt))))
+            start = end + 1
+        if completion and any(m.get("role") == "assistant" for m in msgs[k:]):
+            out.append((len(prompt), len(prompt) + len(completion)))
+        spans.append(out)
+    return spans
 
 
 def _with_sep(prompt: str, completion: str) -> str:

@@ -34,6 +34,9 @@ from smart_batching.errors import ConfigError, DataError, require
 
 EVAL_SPLITS = ("validation", "dev", "test")
 TEXT_LABEL_COLUMNS = ("sentence", "text", "content")
+LOSS_ON = ("completion", "assistant")
+"""What a causal LM learns from: the last reply (TRL's ``completion_only_loss``) or every assistant turn
+(TRL's ``assistant_only_loss``)."""
 DEFAULT_NUM_PROMPTS = {"gsm8k": 16, "lm": 4, "classification": 8}
 """Held-out prompts generated for (GSM8K: the exact-match sample) or predicted, per task."""
 _ANSWER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
@@ -137,28 +140,75 @@ def _encode(tokenizer: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
     return tokenizer(texts, **kwargs)["input_ids"] if texts else []
 
 
-def _tokenize_causal(ds: Any, tokenizer: Any, fmt: str, max_length: int | None) -> tuple[dict, dict]:
+def _assistant_masks(
+    tokenizer: Any, texts: list[str], spans: list[list[tuple[int, int]]], **kwargs: Any
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """``input_ids`` of each text and (num_tokens,) int8 masks: 1 on tokens that start inside a span."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            f"loss_on='assistant' maps each assistant turn to its tokens through the tokenizer's offsets, which "
+            f"{type(tokenizer).__name__} (a slow tokenizer) does not give; use a fast tokenizer "
+            "(AutoTokenizer.from_pretrained(..., use_fast=True)) or loss_on='completion'"
+        )
+    if not texts:
+        return [], []
+    encoded = tokenizer(texts, return_offsets_mapping=True, **kwargs)
+    masks = []
+    for offsets, text_spans in zip(encoded["offset_mapping"], spans, strict=True):
+        starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))  # (num_tokens,)
+        bounds = np.asarray(text_spans, dtype=np.int64).reshape(-1)  # (2 * num_spans,) start, end, ...
+        # Inside a span: an odd number of span bounds at or before the token's first character.
+        masks.append((np.searchsorted(bounds, starts, side="right") % 2).astype(np.int8))
+    return encoded["input_ids"], masks
+
+
+def _tokenize_causal(
+    ds: Any, tokenizer: Any, fmt: str, max_length: int | None, loss_on: str = "completion"
+) -> tuple[dict, dict]:
     from smart_batching.data.formats import render_batch
 
-    rendered = render_batch(ds.to_dict(), tokenizer, format=fmt)
+    every = loss_on == "assistant"
+    rendered = render_batch(ds.to_dict(), tokenizer, format=fmt, assistant_spans=every)
     special = not rendered.chat_template
-    full = _encode(tokenizer, rendered.texts, add_special_tokens=special)
     prompts = _encode(tokenizer, rendered.prompts, add_special_tokens=special)
+    masks: list[Any] = [None] * len(prompts)
+    ends: list[bool] = [False] * len(prompts)
+    if every:
+        spans = rendered.assistant_spans
+        assert spans is not None
+        full, masks = _assistant_masks(tokenizer, rendered.texts, spans, add_special_tokens=special)
+        # The EOS appended below is a target where the last span runs to the end of the text.
+        ends = [bool(sp) and sp[-1][1] == len(t) for sp, t in zip(spans, rendered.texts, strict=True)]
+    else:
+        full = _encode(tokenizer, rendered.texts, add_special_tokens=special)
     eos = tokenizer.eos_token_id
     ids: list[list[int]] = []
     prompt_lengths: list[int] = []
+    assistant: list[list[int]] = []
     num_cut = cut_tokens = 0
-    for text_ids, prompt_ids, prompt in zip(full, prompts, rendered.prompts, strict=True):
+    for text_ids, prompt_ids, prompt, mask, end in zip(
+        full, prompts, rendered.prompts, masks, ends, strict=True
+    ):
         row = list(text_ids)
         if eos is not None and (not row or row[-1] != eos):
             row.append(eos)
+            if mask is not None:
+                mask = np.append(mask, np.int8(end))
         if max_length is not None and len(row) > max_length:
             num_cut += 1
             cut_tokens += len(row) - max_length
             row = row[:max_length]
         ids.append(row)
-        prompt_lengths.append(min(len(prompt_ids), len(row)) if prompt else 0)
+        if mask is None:
+            prompt_lengths.append(min(len(prompt_ids), len(row)) if prompt else 0)
+        else:
+            mask = mask[: len(row)]
+            first = np.flatnonzero(mask)
+            prompt_lengths.append(int(first[0]) if first.size else len(row))  # the first target token
+            assistant.append(mask.tolist())
     columns = {"input_ids": ids, "prompt_length": prompt_lengths}
+    if every:
+        columns["assistant_masks"] = assistant
     info = {
         "num_truncated": num_cut,
         "truncated_tokens": cut_tokens,
@@ -245,6 +295,7 @@ def prepare_training_data(
     eval_examples: int = 64,
     max_length: int | None = None,
     num_prompts: int | None = None,
+    loss_on: str = "completion",
 ) -> TrainingData:
     """Load, split and tokenise a bench's data.
 
@@ -261,10 +312,17 @@ def prepare_training_data(
             None keeps every example whole.
         num_prompts: held-out prompts kept for generations (causal LM) or sample predictions (the
             first ones of the eval data); None means :data:`DEFAULT_NUM_PROMPTS` of the task.
+        loss_on: what a causal LM learns from (:data:`LOSS_ON`): ``"completion"``, the last reply (the
+            prompt masked by ``prompt_length``), or ``"assistant"``, every assistant turn of a conversation
+            (an ``assistant_masks`` column besides ``prompt_length``, which then covers the tokens before
+            the first turn; :func:`~smart_batching.data.formats.assistant_spans`). The same for held-out
+            examples. Single-turn records learn the same from both.
 
     Raises:
         DataError: empty data, missing columns, or too few examples for the split.
     """
+    if loss_on not in LOSS_ON:
+        raise ConfigError(f"loss_on={loss_on!r} must be one of {', '.join(map(repr, LOSS_ON))}")
     if max_length is not None and max_length < 2:
         raise ConfigError(f"max_length={max_length} must be at least 2 tokens or None")
     train_ds, source = _load(data)
@@ -305,8 +363,8 @@ def prepare_training_data(
         from smart_batching.data.formats import detect_format
 
         fmt = detect_format(columns)
-        train_cols, train_info = _tokenize_causal(train_ds, tokenizer, fmt, max_length)
-        eval_cols, eval_info = _tokenize_causal(eval_ds, tokenizer, fmt, max_length)
+        train_cols, train_info = _tokenize_causal(train_ds, tokenizer, fmt, max_length, loss_on)
+        eval_cols, eval_info = _tokenize_causal(eval_ds, tokenizer, fmt, max_length, loss_on)
         p_cols, p_info = _tokenize_causal(prompt_ds, tokenizer, fmt, max_length)
         label_names = None
         ref_col = {"prompt_completion": "answer" if "answer" in columns else "completion", "alpaca": "output"}
@@ -356,6 +414,7 @@ def prepare_training_data(
 
 
 __all__ = [
+    "LOSS_ON",
     "TrainingData",
     "detect_task",
     "gsm8k_answer",
