@@ -107,3 +107,30 @@ def test_an_epoch_learns_from_every_completion_and_no_prompt(capsys, tmp_path, r
     expected = sum(len(ids) - max(p, 1) for ids, p in zip(data.train["input_ids"], prompts, strict=True))
     assert summary["target_tokens"] == expected < summary["real_tokens"] - 48
     assert not [w for w in recwarn if w.category is FallbackWarning]
+
+
+def test_loss_on_assistant_learns_from_every_reply(capsys, tmp_path):
+    """--loss-on assistant: an epoch of dialogues counts every reply's tokens as targets, and only them."""
+    from test_assistant_loss import DIALOGUES
+
+    from smart_batching.data.tasks import prepare_training_data
+    from smart_batching.data.tokenizers import load_tokenizer
+
+    data_file = tmp_path / "dialogues.jsonl"
+    data_file.write_text("".join(json.dumps({"messages": d}) + "\n" for d in DIALOGUES * 6))
+    args = ["train", "--data", str(data_file), "--strategy", "packed", "--max-length", "256", "--json",
+            "--epochs", "1"]  # fmt: skip
+    summaries = {}
+    for loss_on in ("completion", "assistant"):
+        assert main([*args, "--out", str(tmp_path / loss_on), "--loss-on", loss_on]) == 0
+        summaries[loss_on] = _summary(capsys)
+    data = prepare_training_data(
+        str(data_file),
+        tokenizer=load_tokenizer("smollm2"),
+        eval_examples=8,
+        max_length=256,
+        loss_on="assistant",
+    )
+    expected = sum(sum(mask[1:]) for mask in data.train["assistant_masks"])
+    assert summaries["assistant"]["target_tokens"] == expected > 2 * summaries["completion"]["target_tokens"]
+    assert summaries["assistant"]["real_tokens"] == summaries["completion"]["real_tokens"]
