@@ -251,21 +251,15 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one run in this process (the child of :func:`launch`); its slimmed record."""
     import torch
 
-    from smart_batching.bench.training import row_accum_steps
-
     task, row, seed, s = spec["task"], spec["row"], spec["seed"], spec["settings"]
     torch.set_num_threads(spec["threads"])
     budget = s["budgets"]["rows"].get(row, {})
-    # The bench divides a [mix_steps=k] row's max_tokens among its k micro-batches; the matched budget is
-    # already a micro-batch's, so the step's is k times it.
-    per_step = row_accum_steps(row) if row != TRL else 1
     common = {
         "model": "smollm2", "model_options": {"trainable_layers": s["trainable_layers"]},
         "num_examples": s["num_examples"], "batch_size": s["batch_size"], "epochs": s["epochs"],
         "max_length": s["max_length"], "loss_on": s["loss_on"], "lr": s["lr"], "lr_schedule": "linear",
         "match_steps": False,
-        "max_tokens": budget["max_tokens"] * per_step if "max_tokens" in budget else s["budgets"]["max_tokens"],
-        "capacity": budget.get("capacity", s["budgets"]["capacity"]),
+        "max_tokens": s["budgets"]["max_tokens"], "capacity": s["budgets"]["capacity"],
         "eval_examples": s["eval_examples"], "num_generations": 0, "eval_every": s["eval_every"],
         "device": s["device"], "threads": spec["threads"], "render": False, "progress": False,
     }  # fmt: skip
@@ -275,7 +269,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         from smart_batching.bench import run_bench
 
         with tempfile.TemporaryDirectory() as tmp:
-            (record,) = run_bench(str(spec["data"]), strategies=[row], seeds=[seed], out_dir=tmp, **common)
+            (record,) = run_bench(
+                str(spec["data"]), strategies=[row], seeds=[seed], budgets={row: budget} if budget else None,
+                out_dir=tmp, **common,
+            )  # fmt: skip
     out = {k: record[k] for k in KEEP if k in record}
     out["study"] = {"task": task, "row": row, "seed": seed, "settings_hash": spec["settings_hash"],
                     "settings": s, "threads": spec["threads"], "row_version": ROW_VERSIONS.get(row, 1)}  # fmt: skip

@@ -93,3 +93,40 @@ def test_run_bench_refuses_a_bad_config_before_loading_anything():
         run_bench(BenchConfig(), epochs=0)
     with pytest.raises(ConfigError, match="no field batchsize"):
         run_bench("default", batchsize=8)
+
+
+@pytest.mark.parametrize(
+    ("budgets", "message"),
+    [
+        ({"token_budget": {"max_tokens": 512}}, "not among strategies"),
+        ({"packed": {"max_tokens": 0}}, r"budgets\['packed'\]\['max_tokens'\]"),
+        ({"packed": {"window": 64}}, r"budgets\['packed'\]=.*must be"),
+        ({"packed": 2048}, r"budgets\['packed'\]=2048 must be"),
+        ([("packed", 2048)], "budgets= must be a dict"),
+    ],
+)
+def test_budgets_are_checked_by_name(budgets, message):
+    with pytest.raises(ConfigError, match=message):
+        BenchConfig(strategies=("random", "packed"), budgets=budgets)
+
+
+def test_budgets_are_used_as_given_for_a_micro_batch(tmp_path):
+    """budgets= give a row its budget as is: a [mix_steps=2] row's is a micro-batch's (max_tokens= would be
+    halved), and it wins over match_steps for the row it names."""
+    from smart_batching.bench import run_bench
+
+    micro = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1}  # fmt: skip
+    rows = ("token_budget[mix_steps=2]", "packed")
+    records = run_bench(
+        "default", model="tiny-llama", model_options=micro, strategies=rows, num_examples=16, batch_size=4,
+        max_tokens=4096, match_steps=True, budgets={"token_budget[mix_steps=2]": {"max_tokens": 1000}},
+        eval_examples=2, num_generations=0, out_dir=tmp_path, progress=False, render=False,
+    )  # fmt: skip
+    by = {r["strategy"]: r for r in records}
+    assert by["token_budget[mix_steps=2]"]["strategy_options"]["max_tokens"] == 1000
+    assert (
+        by["packed"]["settings"]["budgets"]["packed"]["capacity"]
+        == by["packed"]["strategy_options"]["capacity"]
+    )
+    assert by["packed"]["settings"]["budgets"]["token_budget[mix_steps=2]"] == {"max_tokens": 1000}

@@ -66,6 +66,10 @@ class BenchConfig:
             ``capacity``, bisected over their plans for every seed) whose plans have no more batches
             than fixed batches of ``batch_size``, so every strategy takes about the same optimizer
             steps (never more); False keeps ``max_tokens`` and ``capacity`` as given or derived.
+        budgets: per-strategy token budgets used as given, ``{name: {"max_tokens": T}}`` or
+            ``{name: {"capacity": C}}``: a micro-batch's (a ``[mix_steps=k]`` row's budget is not divided
+            by ``k``), as ``match_steps`` computes them; they win over ``max_tokens`` / ``capacity`` and
+            over ``match_steps`` for the strategies they name.
         eval_data: held-out data; None picks a dev/test split or sibling file, else holds out the last
             ``eval_examples`` records.
         eval_examples: held-out examples for the eval loss (and accuracy).
@@ -130,6 +134,7 @@ class BenchConfig:
     lr: float | None = None
     lr_schedule: str = "constant"
     match_steps: bool = False
+    budgets: Mapping[str, Mapping[str, int]] | None = None
     eval_data: Any = None
     eval_examples: int = 64
     eval_batch_size: int = 8
@@ -152,6 +157,25 @@ class BenchConfig:
     oom_backoff: bool | Mapping[str, Any] = False
     callbacks: Sequence[Any] = ()
     on_record: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
+
+    def _check_budgets(self) -> None:
+        budgets = self.budgets
+        if not isinstance(budgets, Mapping):
+            raise ConfigError(
+                f"BenchConfig: budgets= must be a dict of strategy -> {{option: tokens}}, got {budgets!r}"
+            )
+        for name, budget in budgets.items():
+            if name not in self.strategies:
+                raise ConfigError(
+                    f"BenchConfig: budgets= names {name!r}, which is not among strategies= {list(self.strategies)}"
+                )
+            if not isinstance(budget, Mapping) or not budget or set(budget) - {"max_tokens", "capacity"}:
+                raise ConfigError(
+                    f"BenchConfig: budgets[{name!r}]={budget!r} must be {{'max_tokens': T}} or {{'capacity': C}}"
+                )
+            for option, value in budget.items():
+                _positive_int(f"budgets[{name!r}][{option!r}]", value)
+        object.__setattr__(self, "budgets", {name: dict(b) for name, b in budgets.items()})
 
     def __post_init__(self) -> None:
         if isinstance(self.strategies, str):
@@ -195,6 +219,8 @@ class BenchConfig:
         for name in ("match_steps", "append", "render", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"BenchConfig: {name}= must be True or False, got {getattr(self, name)!r}")
+        if self.budgets is not None:
+            self._check_budgets()
         if self.loss_on not in LOSS_ON:
             raise ConfigError(
                 f"BenchConfig: loss_on={self.loss_on!r} must be one of {', '.join(map(repr, LOSS_ON))}"

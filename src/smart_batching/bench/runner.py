@@ -233,9 +233,14 @@ def _run_bench(config: BenchConfig, dev: Any) -> list[dict[str, Any]]:
         "loss_on": c.loss_on,
         "lr": lr,
         "lr_schedule": c.lr_schedule,
-        "budgets": matched_budgets(bench_data.lengths, strategies, c.batch_size, mt, cap, seeds)
-        if c.match_steps
-        else {},
+        "budgets": {
+            **(
+                matched_budgets(bench_data.lengths, strategies, c.batch_size, mt, cap, seeds)
+                if c.match_steps
+                else {}
+            ),
+            **(c.budgets or {}),
+        },
         "optimizer": "adamw_torch",
         "max_grad_norm": 1.0,
         "eval_examples": len(bench_data.eval),
