@@ -27,7 +27,6 @@ import torch
 
 from smart_batching.analysis.weights import token_weights
 from smart_batching.collate import PaddingCollator
-from smart_batching.data.lengths import list_column
 from smart_batching.loss import count_target_tokens
 from smart_batching.plan import BatchPlan
 
@@ -353,23 +352,15 @@ def examples_digest(example_ids: np.ndarray, seg_lengths: np.ndarray) -> str:
 
 
 def example_targets(data: Any) -> np.ndarray | None:
-    """(num_train,) the target tokens of each training example of a causal-LM bench: its tokens after the
-    prompt (``prompt_length``; at least the first, which no label predicts), or those its
-    ``assistant_masks`` mark (``loss_on="assistant"``); None for classification."""
+    """(num_train,) the target tokens of each training example of a causal-LM bench, as the loss counts
+    them (:func:`smart_batching.hf.step_weight.target_token_counts`: its tokens after the prompt,
+    ``prompt_length``, or those its ``assistant_masks`` mark; never the first, which no label predicts);
+    None for classification."""
     if data.task == "classification" or "input_ids" not in data.train.column_names:
         return None
-    if "assistant_masks" in data.train.column_names:
-        values, offsets = list_column(data.train, "assistant_masks")  # (total,), (num_train + 1,)
-        marked = np.concatenate([[0], np.cumsum(values != 0)])  # (total + 1,) marked tokens before each
-        # A row's first token is never a target: count from its second.
-        starts = np.minimum(offsets[:-1] + 1, offsets[1:])
-        return (marked[offsets[1:]] - marked[starts]).astype(np.int64)
-    lengths = np.asarray(data.lengths, dtype=np.int64)
-    if "prompt_length" in data.train.column_names:
-        prompt = np.asarray(data.train["prompt_length"], dtype=np.int64)
-    else:
-        prompt = np.zeros_like(lengths)
-    return np.maximum(lengths - np.maximum(prompt, 1), 0)
+    from smart_batching.hf.step_weight import target_token_counts  # transformers is optional here
+
+    return target_token_counts(data.train, data.lengths)
 
 
 def plan_token_weights(data: Any, plan: BatchPlan, steps: np.ndarray | None = None) -> list[float] | None:
