@@ -179,16 +179,17 @@ def test_dataset_units_reads_documents_and_targets_from_arrow():
     )
     with pytest.warns(EmptyExamplesWarning) as caught:
         units = dataset_units(ds, dataset_lengths(ds))
-    # Documents: (0: [0,3) target 2) (0: [3,5) none) (1: [0,2) none) (3: [0,1)) (3: [1,3)); row 2 empty.
-    assert units.example.tolist() == [0, 3, 3]
-    assert units.start.tolist() == [0, 0, 1]
-    assert (units.skipped.num_empty, units.skipped.num_masked) == (1, 2)
-    assert "dataset rows 0, 1, 2" in str(caught[0].message)
+    # Documents: (0: [0,3) target 2) (0: [3,5) none) (1: [0,2) none) (3: [0,1) its first token only: none,
+    # the collator masks a document's first label) (3: [1,3)); row 2 empty.
+    assert units.example.tolist() == [0, 3]
+    assert units.start.tolist() == [0, 1]
+    assert (units.skipped.num_empty, units.skipped.num_masked) == (1, 3)
+    assert "dataset rows 0, 1, 2, 3" in str(caught[0].message)
     # A shuffled view (indices mapping) reads the same rows in its own order.
     view = ds.select([3, 0])
-    with pytest.warns(EmptyExamplesWarning, match="1 fully masked example.*rows 1"):
+    with pytest.warns(EmptyExamplesWarning, match="2 fully masked example.*rows 0, 1"):
         units = dataset_units(view, dataset_lengths(view))
-    assert units.example.tolist() == [0, 0, 1] and units.lengths.tolist() == [1, 2, 3]
+    assert units.example.tolist() == [0, 1] and units.lengths.tolist() == [2, 3]
 
 
 def test_dataset_units_from_position_ids_and_prompt_length():
@@ -205,3 +206,74 @@ def test_dataset_units_from_position_ids_and_prompt_length():
     with pytest.warns(EmptyExamplesWarning, match="1 fully masked"):
         units = dataset_units(ds, dataset_lengths(ds))
     assert units.example.tolist() == [0]
+
+
+# -- one rule for the target tokens, wherever they are read ---------------------------------------------------
+
+
+def _examples() -> list[dict]:
+    """Examples covering every column the rule reads, and its edges (a target on the first token only,
+    masks and a prompt that disagree, label lists of another length: a seq2seq set)."""
+    return [
+        {"input_ids": [1, 2, 3], "labels": [1, -100, -100]},  # its first token only: no target
+        {"input_ids": [1, 2, 3], "labels": [-100, -100, 3]},
+        {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 1, 1, 0], "prompt_length": 3},  # disagree: none
+        {"input_ids": [1, 2, 3, 4], "completion_mask": [0, 1, 1, 1], "prompt_length": 3},
+        {"input_ids": [1, 2, 3], "assistant_masks": [1, 0, 0]},  # first token only
+        {"input_ids": [1, 2, 3], "assistant_masks": [0, 1, 0], "completion_mask": [1, 1, 0]},
+        {"input_ids": [1, 2], "prompt_length": 1},
+        {"input_ids": [1, 2], "prompt_length": 2},
+    ]
+
+
+def _column(example: dict, column: str) -> object:
+    """``example``'s value of ``column``, or one that marks nothing (a mask of ones, no prompt)."""
+    if column in example:
+        return example[column]
+    return [1] * len(example["input_ids"]) if column.endswith("mask") or column.endswith("masks") else 0
+
+
+def _collated_targets(example: dict) -> int:
+    """What the collator trains: labels other than -100 after the shift (its first label never counts)."""
+    labels = PaddingCollator(0)([example])["labels"][0].tolist()
+    return sum(label != -100 for label in labels[1:])
+
+
+def test_no_target_token_follows_what_the_collator_trains():
+    from smart_batching.units import no_target_token
+
+    examples = _examples()
+    assert [no_target_token(ex) for ex in examples] == [_collated_targets(ex) == 0 for ex in examples]
+    assert [no_target_token(ex) for ex in examples] == [True, False, True, False, True, False, False, True]
+    # Scalar labels (classification), a seq2seq set's labels, no target column: never "no target".
+    assert not no_target_token({"input_ids": [1, 2], "labels": 1})
+    assert not no_target_token({"input_ids": [1, 2, 3], "labels": [-100, 7]})
+    assert not no_target_token({"input_ids": [1]})
+
+
+def test_every_reader_of_the_target_columns_counts_the_same():
+    """The planner's skip (dataset_units), the loss normalisation's counts (target_token_counts) and the
+    streaming batcher's per-example check (no_target_token) read one rule; the collator trains it."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("transformers")
+    from smart_batching.data.lengths import dataset_target_tokens
+    from smart_batching.hf.data import dataset_lengths, dataset_units
+    from smart_batching.hf.step_weight import target_token_counts
+    from smart_batching.units import no_target_token
+
+    for keep in (
+        [0, 1],  # labels
+        [2, 3, 4, 5, 6, 7],  # masks and prompts
+    ):
+        examples = [_examples()[i] for i in keep]
+        columns = sorted({k for ex in examples for k in ex})
+        ds = datasets.Dataset.from_dict({c: [_column(ex, c) for ex in examples] for c in columns})
+        rows = [ds[i] for i in range(len(ds))]
+        trained = [_collated_targets(r) for r in rows]
+        lengths = dataset_lengths(ds)
+        assert target_token_counts(ds, lengths).tolist() == trained
+        assert [no_target_token(r) for r in rows] == [t == 0 for t in trained]
+        with pytest.warns(EmptyExamplesWarning, match=f"{trained.count(0)} fully masked"):
+            units = dataset_units(ds, lengths)
+        assert units.example.tolist() == [i for i, t in enumerate(trained) if t]
+        assert dataset_target_tokens(ds, lengths) is not None

@@ -193,21 +193,82 @@ def plan_units(
     )
 
 
+IGNORE_INDEX = -100  # the labels' ignore index (as smart_batching.loss's; this module stays torch-free)
+MASK_COLUMNS = ("completion_mask", "assistant_masks")
+
+
+def target_tokens(
+    offsets: np.ndarray,
+    *,
+    labels: np.ndarray | None = None,
+    masks: tuple[np.ndarray, ...] = (),
+    prompt_length: np.ndarray | None = None,
+) -> np.ndarray:
+    """(total,) True at every token a column marks as a target, over rows laid end to end.
+
+    The one rule every reader of the target columns follows (the planner's skip of fully masked
+    examples, the loss normalisation's target counts, the streaming batcher): ``labels`` other than
+    ``-100`` where labels are given; else the tokens where every mask (``completion_mask``,
+    ``assistant_masks``) is non-zero and, with ``prompt_length``, past the row's prompt. Whether a unit's
+    first token counts is :func:`targets_per_unit`'s business.
+
+    Args:
+        offsets: (num_rows + 1,) int64 row offsets into the flat token arrays.
+        labels: (total,) flat labels, or None.
+        masks: flat (total,) masks, each non-zero at a target token.
+        prompt_length: (num_rows,) tokens of each row's prompt, or None.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    total = int(offsets[-1])
+    if labels is not None:
+        return np.asarray(labels) != IGNORE_INDEX
+    target = np.ones(total, dtype=bool)
+    for mask in masks:
+        target &= np.asarray(mask) != 0
+    if prompt_length is not None:
+        row_lengths = np.diff(offsets)
+        position = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], row_lengths)  # (total,)
+        target &= position >= np.repeat(np.asarray(prompt_length, dtype=np.int64), row_lengths)
+    return target
+
+
+def targets_per_unit(target: np.ndarray, unit_lengths: np.ndarray) -> np.ndarray:
+    """(num_units,) target tokens of each unit of ``unit_lengths`` consecutive tokens of ``target``, as
+    the loss counts them: a unit's first token is never one (nothing in the unit predicts it; the
+    collators mask a packed document's first label)."""
+    unit_lengths = np.asarray(unit_lengths, dtype=np.int64)
+    ends = np.cumsum(unit_lengths)  # (num_units,)
+    starts = ends - unit_lengths
+    counted = target.astype(bool).copy()
+    counted[starts[unit_lengths > 0]] = False
+    cumulative = np.concatenate([[0], np.cumsum(counted, dtype=np.int64)])  # (total + 1,)
+    return cumulative[ends] - cumulative[starts]
+
+
 def no_target_token(example: Any) -> bool:
-    """One tokenized example (a mapping) has tokens but no target token: every ``labels`` entry is
-    ``-100``, or (no ``labels``) its ``completion_mask`` / ``assistant_masks`` are all 0 or its
-    ``prompt_length`` covers it. Scalar labels (classification) are always a target."""
+    """One tokenized example (a mapping) has tokens but no target token, by :func:`target_tokens`'s rule
+    and :func:`targets_per_unit`'s count (its first token is never a target). Scalar labels
+    (classification), and label lists that do not match ``input_ids``, are always a target."""
+    ids = example.get("input_ids")
+    if ids is None or not len(ids):
+        return False
+    n = len(ids)
+    offsets = np.array([0, n], dtype=np.int64)
     labels = example.get("labels")
     if labels is not None:
         arr = np.asarray(labels)
-        return arr.ndim == 1 and arr.size > 0 and not bool((arr != -100).any())
-    for name in ("completion_mask", "assistant_masks"):
-        mask = example.get(name)
-        if mask is not None and len(mask) and not np.asarray(mask).any():
-            return True
+        if arr.ndim != 1 or arr.shape[0] != n:
+            return False
+        return int(targets_per_unit(target_tokens(offsets, labels=arr), offsets[1:])[0]) == 0
+    masks = tuple(np.asarray(example[c]) for c in MASK_COLUMNS if example.get(c) is not None)
+    if any(m.shape[0] != n for m in masks):
+        return False
     prompt = example.get("prompt_length")
-    ids = example.get("input_ids")
-    return prompt is not None and ids is not None and len(ids) > 0 and int(prompt) >= len(ids)
+    if not masks and prompt is None:
+        return False  # no column marks targets: every token is one (as the planner reads a dataset)
+    prompt_length = None if prompt is None else np.array([int(prompt)])
+    target = target_tokens(offsets, masks=masks, prompt_length=prompt_length)
+    return int(targets_per_unit(target, offsets[1:])[0]) == 0
 
 
 def describe_skipped(skipped: SkippedCounts, where: str = "dataset row") -> str:
@@ -255,4 +316,6 @@ __all__ = [
     "describe_skipped",
     "no_target_token",
     "plan_units",
+    "target_tokens",
+    "targets_per_unit",
 ]

@@ -25,6 +25,7 @@ import numpy as np
 
 from smart_batching.errors import ConfigError, DataError
 from smart_batching.plan import as_lengths
+from smart_batching.units import MASK_COLUMNS, target_tokens
 
 LENGTH_COLUMNS = ("length", "lengths", "num_tokens")
 
@@ -166,6 +167,45 @@ def list_column(ds: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(counts, out=offsets[1:])
     values = arr.flatten().to_numpy(zero_copy_only=False)
     return values, offsets
+
+
+def dataset_target_tokens(ds: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The target tokens of a ``datasets.Dataset``, read column-wise (:func:`smart_batching.units.target_tokens`'s
+    rule): a ``labels`` list column, else ``completion_mask`` / ``assistant_masks`` and ``prompt_length``.
+
+    Args:
+        ds: The dataset.
+        lengths: (num_rows,) its ``input_ids`` lengths (:func:`lengths_from_dataset`).
+
+    Returns:
+        ``(target, offsets)``: (total,) bool over the rows laid end to end and their (num_rows + 1,)
+        offsets: the ``labels`` lists' own where labels are given (a seq2seq set's labels are not its
+        ``input_ids``), else ``input_ids``'. None where no column marks tokens (none of them, or one label
+        per example: classification) or a mask does not match ``input_ids``.
+    """
+    columns = _column_names(ds)
+    if "labels" in columns:
+        if not _is_list_type(_arrow_type(ds, "labels")):
+            return None
+        labels, offsets = list_column(ds, "labels")
+        return target_tokens(offsets, labels=labels), offsets
+    masks = [c for c in MASK_COLUMNS if c in columns]
+    prompt = "prompt_length" in columns
+    if not (masks or prompt):
+        return None
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
+    read = []
+    for name in masks:
+        values, own = list_column(ds, name)
+        if not np.array_equal(own, offsets):
+            return None  # the collator names the row
+        read.append(values)
+    target = target_tokens(
+        offsets,
+        masks=tuple(read),
+        prompt_length=np.asarray(ds["prompt_length"], dtype=np.int64) if prompt else None,
+    )
+    return target, offsets
 
 
 def _auto_length_column(ds: Any) -> str | None:

@@ -14,7 +14,7 @@ from smart_batching.fallbacks import warn_fallback
 from smart_batching.plan import as_lengths
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec, spec_class
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
-from smart_batching.units import PlanUnits, plan_units
+from smart_batching.units import PlanUnits, plan_units, targets_per_unit
 
 # Columns the collators read; everything else (text, messages, ...) is left out of the fetch.
 MODEL_INPUT_COLUMNS = (
@@ -149,9 +149,8 @@ def dataset_units(dataset: Any, lengths: np.ndarray, *, empty_examples: str = "s
     elif "position_ids" in columns:
         positions, offsets = list_column(dataset, "position_ids")
         documents = _documents_from_positions(positions.astype(np.int64), offsets)
-    units_per_row = np.ones(len(lengths), dtype=np.int64) if documents is None else documents[1]
     unit_lengths = np.asarray(lengths, dtype=np.int64) if documents is None else documents[0]
-    masked = _fully_masked(dataset, columns, unit_lengths, units_per_row)
+    masked = _fully_masked(dataset, lengths, unit_lengths)
     return plan_units(lengths, masked=masked, documents=documents, empty_examples=empty_examples)
 
 
@@ -168,43 +167,15 @@ def _documents_from_positions(positions: np.ndarray, offsets: np.ndarray) -> tup
     return doc_lengths, docs_per_row
 
 
-def _fully_masked(
-    dataset: Any, columns: list[str], unit_lengths: np.ndarray, units_per_row: np.ndarray
-) -> np.ndarray | None:
-    """(num_units,) True where a unit has tokens but no target token; None when nothing can say."""
-    from smart_batching.data.lengths import _arrow_type, _is_list_type, list_column
+def _fully_masked(dataset: Any, lengths: np.ndarray, unit_lengths: np.ndarray) -> np.ndarray | None:
+    """(num_units,) True where a unit has tokens but no target token the loss counts (its first token
+    never is: :func:`~smart_batching.units.targets_per_unit`); None when no column says."""
+    from smart_batching.data.lengths import dataset_target_tokens
 
-    if "labels" in columns:
-        if not _is_list_type(_arrow_type(dataset, "labels")):
-            return None  # one label per example (classification): every example is a target
-        values, _ = list_column(dataset, "labels")
-        target = values != -100  # (total,)
-    else:
-        masks = [c for c in ("completion_mask", "assistant_masks") if c in columns]
-        if not masks and "prompt_length" not in columns:
-            return None
-        target = np.ones(int(unit_lengths.sum()), dtype=bool)
-        for name in masks:
-            values, _ = list_column(dataset, name)
-            target &= values != 0
-        if "prompt_length" in columns:
-            prompt = np.asarray(dataset["prompt_length"], dtype=np.int64)  # (num_rows,)
-            prompt = np.repeat(prompt, units_per_row)  # whole rows here: no documents without labels
-            return (unit_lengths > 0) & (prompt >= unit_lengths) | _none_in_units(target, unit_lengths)
-    if target.shape[0] != int(unit_lengths.sum()):
-        return None  # label lists that do not match input_ids: the collator reports it
-    return _none_in_units(target, unit_lengths)
-
-
-def _none_in_units(target: np.ndarray, unit_lengths: np.ndarray) -> np.ndarray:
-    """(num_units,) True where a unit of ``unit_lengths`` tokens has tokens but no True in ``target``."""
-    if not target.size:
-        return np.zeros(unit_lengths.shape[0], dtype=bool)
-    starts = np.minimum(np.cumsum(unit_lengths) - unit_lengths, target.size - 1)  # (num_units,)
-    counts = np.add.reduceat(
-        target.astype(np.int64), starts
-    )  # an empty unit reads its neighbour: masked below
-    return (unit_lengths > 0) & (counts == 0)
+    read = dataset_target_tokens(dataset, lengths)
+    if read is None or read[0].shape[0] != int(unit_lengths.sum()):
+        return None  # nothing marks targets, or labels that do not match input_ids: the collator reports it
+    return (unit_lengths > 0) & (targets_per_unit(read[0], unit_lengths) == 0)
 
 
 def model_input_dataset(dataset: Any) -> Any:
