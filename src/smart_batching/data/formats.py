@@ -417,7 +417,11 @@ def _template_spans(
         if m.get("role") == "assistant"
     ]
     starts = _apply_template(tokenizer, [convs[i][0][:j] for i, j in todo], add_generation_prompt=True)
-    ends = _apply_template(tokenizer, [convs[i][0][: j + 1] for i, j in todo])
+    # Through a conversation's last message is the whole conversation, rendered already (``fulls``).
+    inner = iter(
+        _apply_template(tokenizer, [convs[i][0][: j + 1] for i, j in todo if j + 1 < len(convs[i][0])])
+    )
+    ends = [next(inner) if j + 1 < len(convs[i][0]) else fulls[i] for i, j in todo]
     spans: list[list[tuple[int, int]]] = [[] for _ in convs]
     for (i, j), before, through in zip(todo, starts, ends, strict=True):
         full = fulls[i]
