@@ -7,7 +7,8 @@ No training: the plans of the bench's step-matched budgets (``run_bench(match_st
   the mean over its own target tokens (HF ``num_items_in_batch``), so a token in a step with few
   targets weighs more than one in a step with many; random batches keep this near the sampling noise.
 * ``weight_by_quartile``: the epoch's total weight on the tokens of each quarter of the examples by
-  length (shortest first), relative to their share of the target tokens (1.0: uniform per token, as
+  length (shortest first; quarters by rank, :func:`smart_batching.analysis.token_weights`, as the bench
+  records it), relative to their share of the target tokens (1.0: uniform per token, as
   one mean over the whole epoch would weigh them). This is also the weight when clipping binds at every
   step (each step then moves the model by one clipped update, whatever its targets), up to each step's
   own gradient norm. A row with ``[loss_normalization=epoch]`` (:mod:`smart_batching.hf.step_weight`)
@@ -53,6 +54,7 @@ def step_weights(
     lengths: np.ndarray, targets: np.ndarray, strategy: str, batch_size: int, seeds: range = range(5)
 ) -> dict[str, Any]:
     """The measures of the module docstring for one strategy (means over ``seeds``)."""
+    from smart_batching.analysis import token_weights
     from smart_batching.bench.runner import _resolve_sizes, matched_budgets
     from smart_batching.bench.training import row_segment_steps, strategy_options, trainer_row_options
     from smart_batching.planners import plan_batches
@@ -63,7 +65,6 @@ def step_weights(
         strategy, batch_size=batch_size, max_tokens=mt, capacity=cap, budgets=budgets
     )
     epoch_norm = trainer_row_options(strategy).get("loss_normalization") == "epoch"
-    quartile = np.digitize(lengths, np.quantile(lengths, [0.25, 0.5, 0.75]))  # (n,) 0..3
     per_seed = []
     for seed in seeds:
         plan = plan_batches(lengths, base, seed=seed, **options)
@@ -74,18 +75,11 @@ def step_weights(
             steps = [plan.example_ids[of_step == k] for k in range(int(of_step.max()) + 1)]
         per_step = np.array([targets[b].sum() for b in steps], dtype=np.float64)  # (steps,)
         ex = np.concatenate(steps)
-        # Weight of each example's tokens: 1 / its step's targets, relative to 1 / the mean (uniform);
-        # loss_normalization="epoch" scales the step's update by its targets over the mean.
-        scale = per_step / per_step.mean() if epoch_norm else np.ones_like(per_step)
-        weight = np.concatenate(
-            [np.full(len(b), scale[k] * per_step.mean() / max(per_step[k], 1.0)) for k, b in enumerate(steps)]
-        )
-        mass = weight * targets[ex]
-        share = [
-            (mass[quartile[ex] == q].sum() / mass.sum())
-            / (targets[ex][quartile[ex] == q].sum() / targets[ex].sum())
-            for q in range(4)
-        ]
+        # The bench's own measure (its records' token_weights). loss_normalization="epoch" scales a
+        # step's update by its targets over the mean, which cancels the 1 / targets: 1.0 by construction.
+        share = token_weights(plan, targets, of_step)
+        if epoch_norm:
+            share = [v if np.isnan(v) else 1.0 for v in share]
         x = lengths[ex].astype(np.float64)
         grand = x.mean()
         between = sum(len(b) * (lengths[b].mean() - grand) ** 2 for b in steps)
