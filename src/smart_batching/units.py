@@ -3,8 +3,8 @@
 A dataset row is usually one unit. Two things change that, both decided here, before planning:
 
 * **Empty and fully masked examples are skipped**, as HF and TRL train around them (TRL drops the
-  fully masked rows before training): an example with no tokens, or with no token whose label is a
-  target, gives no loss and would only cost a batch slot (or, in a pack, raise in the collator hours
+  fully masked rows before training): an example with no tokens, or with no target token after its
+  first (nothing predicts a first token: :func:`target_tokens`, :func:`targets_per_unit`), gives no loss and would only cost a batch slot (or, in a pack, raise in the collator hours
   into the epoch). They are found from the lengths and the labels at planning time, left out of the
   plan, counted, and named in one warning (:class:`EmptyExamplesWarning`) with their dataset rows.
   ``empty_examples="error"`` refuses them instead (:class:`~smart_batching.errors.DataError`).

@@ -127,8 +127,9 @@ def dataset_units(dataset: Any, lengths: np.ndarray, *, empty_examples: str = "s
     Read column-wise from a ``datasets.Dataset`` (Arrow buffers, no Python work per row):
 
     * documents: a ``seq_lengths`` column (TRL ``packing=True``), else ``position_ids`` restarts;
-    * targets: a ``labels`` column (a unit with every label ``-100`` is fully masked, TRL's rule), else
-      ``completion_mask`` / ``assistant_masks`` (all 0) and ``prompt_length`` (covering the example).
+    * targets: a ``labels`` column, else ``completion_mask`` / ``assistant_masks`` and ``prompt_length``
+      (:func:`smart_batching.data.lengths.dataset_target_tokens`); a unit with no target after its first
+      token (every label ``-100``: TRL's rule; a document's first label the collator masks) is fully masked.
 
     Another map-style dataset is planned by rows, empty ones (length 0) left out.
 
