@@ -4,8 +4,8 @@ A dataset row is usually one unit. Two things change that, both decided here, be
 
 * **Empty and fully masked examples are skipped**, as HF and TRL train around them (TRL drops the
   fully masked rows before training): an example with no tokens, or with no target token after its
-  first (nothing predicts a first token: :func:`target_tokens`, :func:`targets_per_unit`), gives no loss and would only cost a batch slot (or, in a pack, raise in the collator hours
-  into the epoch). They are found from the lengths and the labels at planning time, left out of the
+  first (nothing predicts a first token: :func:`target_tokens`, :func:`targets_per_unit`), gives no
+  loss and would only cost a batch slot (or, in a pack, raise in the collator hours into the epoch). They are found from the lengths and the labels at planning time, left out of the
   plan, counted, and named in one warning (:class:`EmptyExamplesWarning`) with their dataset rows.
   ``empty_examples="error"`` refuses them instead (:class:`~smart_batching.errors.DataError`).
 * **Rows that are already packed** (TRL's ``packing=True`` writes a ``seq_lengths`` column; packed
@@ -259,15 +259,14 @@ def no_target_token(example: Any) -> bool:
         arr = np.asarray(labels)
         if arr.ndim != 1 or arr.shape[0] != n:
             return False
-        return int(targets_per_unit(target_tokens(offsets, labels=arr), offsets[1:])[0]) == 0
-    masks = tuple(np.asarray(example[c]) for c in MASK_COLUMNS if example.get(c) is not None)
-    if any(m.shape[0] != n for m in masks):
-        return False
-    prompt = example.get("prompt_length")
-    if not masks and prompt is None:
-        return False  # no column marks targets: every token is one (as the planner reads a dataset)
-    prompt_length = None if prompt is None else np.array([int(prompt)])
-    target = target_tokens(offsets, masks=masks, prompt_length=prompt_length)
+        target = target_tokens(offsets, labels=arr)
+    else:
+        masks = tuple(np.asarray(example[c]) for c in MASK_COLUMNS if example.get(c) is not None)
+        prompt = example.get("prompt_length")
+        if any(m.shape[0] != n for m in masks) or not (masks or prompt is not None):
+            return False  # masks that do not match (the collator names them), or no column marks targets
+        prompt_length = None if prompt is None else np.array([int(prompt)])
+        target = target_tokens(offsets, masks=masks, prompt_length=prompt_length)
     return int(targets_per_unit(target, offsets[1:])[0]) == 0
 
 
