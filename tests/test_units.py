@@ -4,10 +4,14 @@ samplers' keys through the units."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 from strategy_cases import cases
 
+import smart_batching
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.errors import ConfigError, DataError
 from smart_batching.plan import Segment
@@ -252,11 +256,12 @@ def test_no_target_token_follows_what_the_collator_trains():
 
 
 def test_every_reader_of_the_target_columns_counts_the_same():
-    """The planner's skip (dataset_units), the loss normalisation's counts (target_token_counts) and the
-    streaming batcher's per-example check (no_target_token) read one rule; the collator trains it."""
+    """The planner's skip (dataset_units), the loss normalisation's and the bench's counts
+    (target_token_counts, dataset_target_counts) and the streaming batcher's per-example check
+    (no_target_token) read one rule; the collator trains it."""
     datasets = pytest.importorskip("datasets")
     pytest.importorskip("transformers")
-    from smart_batching.data.lengths import dataset_target_tokens
+    from smart_batching.data.lengths import dataset_target_counts, dataset_target_tokens
     from smart_batching.hf.data import dataset_lengths, dataset_units
     from smart_batching.hf.step_weight import target_token_counts
     from smart_batching.units import no_target_token
@@ -272,8 +277,32 @@ def test_every_reader_of_the_target_columns_counts_the_same():
         trained = [_collated_targets(r) for r in rows]
         lengths = dataset_lengths(ds)
         assert target_token_counts(ds, lengths).tolist() == trained
+        assert dataset_target_counts(ds, lengths).tolist() == trained
         assert [no_target_token(r) for r in rows] == [t == 0 for t in trained]
         with pytest.warns(EmptyExamplesWarning, match=f"{trained.count(0)} fully masked"):
             units = dataset_units(ds, lengths)
         assert units.example.tolist() == [i for i, t in enumerate(trained) if t]
         assert dataset_target_tokens(ds, lengths) is not None
+
+
+def test_the_ignore_index_has_one_home():
+    """``-100`` is written once, in ``smart_batching.units``; every other module imports it (a second literal
+    could drift from it unseen). Found by walking each module's syntax tree, docstrings and comments aside."""
+    root = Path(smart_batching.__file__).parent
+    literals = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.UnaryOp)
+                and isinstance(node.op, ast.USub)
+                and isinstance(node.operand, ast.Constant)
+                and node.operand.value == 100
+            ):
+                literals.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert literals == ["units.py:" + str(_ignore_index_line(root / "units.py"))], literals
+
+
+def _ignore_index_line(path: Path) -> int:
+    return next(
+        i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith("IGNORE_INDEX = -100")
+    )

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from smart_batching.errors import ConfigError, DataError
+from smart_batching.units import IGNORE_INDEX
 
 _PER_TOKEN = ("input_ids", "labels", "completion_mask", "assistant_masks", "token_type_ids", "position_ids")
 _MASKS = ("completion_mask", "assistant_masks")
@@ -181,7 +182,7 @@ class PaddingCollator:
         *,
         pad_to_multiple_of: int | None = None,
         padding_side: str = "right",
-        label_pad_token_id: int = -100,
+        label_pad_token_id: int = IGNORE_INDEX,
         max_length: int | None = None,
         return_position_ids: bool = False,
     ) -> None:
@@ -287,7 +288,7 @@ class PackingCollator:
     def __init__(
         self,
         *,
-        label_pad_token_id: int = -100,
+        label_pad_token_id: int = IGNORE_INDEX,
         max_length: int | None = None,
         return_flash_kwargs: bool = True,
         return_seq_idx: bool = True,

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from smart_batching import compat
-
-IGNORE_INDEX = -100
+from smart_batching.units import IGNORE_INDEX
 
 
 def _targets(labels: torch.Tensor, shift_labels: bool) -> torch.Tensor:

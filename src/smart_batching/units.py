@@ -33,6 +33,11 @@ import numpy as np
 from smart_batching.errors import ConfigError, DataError
 from smart_batching.plan import Segment, as_lengths
 
+IGNORE_INDEX = -100
+"""The labels' ignore index (a label not trained on, as PyTorch's ``cross_entropy``, HF and TRL use it).
+Its one home, torch-free: the collators, the losses, the null batches and every reader of the labels
+import it from here."""
+
 EMPTY_POLICIES = ("skip", "error")
 """What to do with empty and fully masked examples: leave them out of the plan (counted and warned
 about once), or raise :class:`~smart_batching.errors.DataError`."""
@@ -193,7 +198,6 @@ def plan_units(
     )
 
 
-IGNORE_INDEX = -100  # the labels' ignore index (as smart_batching.loss's; this module stays torch-free)
 MASK_COLUMNS = ("completion_mask", "assistant_masks")
 
 

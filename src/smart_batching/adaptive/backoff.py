@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from smart_batching.errors import ConfigError
+from smart_batching.units import IGNORE_INDEX
 
 FAIL_STAGES = ("forward", "backward")
 ENV_FAIL_OVER_TOKENS = "SMART_BATCHING_FAIL_OVER_TOKENS"
@@ -369,7 +370,7 @@ def null_piece(inputs: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = value
     if "labels" in out:  # one target whatever the prompt masking, so every layer is on the loss's path
         labels = out["input_ids"].clone()
-        labels[:, 0] = -100
+        labels[:, 0] = IGNORE_INDEX
         out["labels"] = labels
     if "attention_mask" in out:
         out["attention_mask"] = torch.ones_like(out["attention_mask"])

@@ -25,6 +25,7 @@ from smart_batching.bench.frozen_prefix import FrozenPrefixCache
 from smart_batching.collate import PackingCollator, PaddingCollator
 from smart_batching.fallbacks import warn_fallback
 from smart_batching.loss import target_positions
+from smart_batching.units import IGNORE_INDEX
 
 
 def inference_mode(model: Any, attn_implementation: str | None) -> Any:
@@ -129,8 +130,10 @@ def _eval_batches(
             logits = model(**inputs).logits[:, :-1]
         logits = logits.reshape(-1, logits.shape[-1]).float()
         target = target.reshape(-1)
-        total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
-        count += int((target != -100).sum())
+        total += float(
+            torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
+        )
+        count += int((target != IGNORE_INDEX).sum())
     loss = total / count if count else float("nan")
     return {
         "loss": loss,

@@ -27,6 +27,7 @@ import torch
 
 from smart_batching.analysis.weights import token_weights
 from smart_batching.collate import PaddingCollator
+from smart_batching.data.lengths import dataset_target_counts
 from smart_batching.loss import count_target_tokens
 from smart_batching.plan import BatchPlan
 
@@ -353,14 +354,12 @@ def examples_digest(example_ids: np.ndarray, seg_lengths: np.ndarray) -> str:
 
 def example_targets(data: Any) -> np.ndarray | None:
     """(num_train,) the target tokens of each training example of a causal-LM bench, as the loss counts
-    them (:func:`smart_batching.hf.step_weight.target_token_counts`: its tokens after the prompt,
+    them (:func:`smart_batching.data.lengths.dataset_target_counts`: its tokens after the prompt,
     ``prompt_length``, or those its ``assistant_masks`` mark; never the first, which no label predicts);
     None for classification."""
     if data.task == "classification" or "input_ids" not in data.train.column_names:
         return None
-    from smart_batching.hf.step_weight import target_token_counts  # transformers is optional here
-
-    return target_token_counts(data.train, data.lengths)
+    return dataset_target_counts(data.train, data.lengths)
 
 
 def plan_token_weights(data: Any, plan: BatchPlan, steps: np.ndarray | None = None) -> list[float] | None:

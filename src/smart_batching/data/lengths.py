@@ -25,7 +25,7 @@ import numpy as np
 
 from smart_batching.errors import ConfigError, DataError
 from smart_batching.plan import as_lengths
-from smart_batching.units import MASK_COLUMNS, target_tokens
+from smart_batching.units import MASK_COLUMNS, target_tokens, targets_per_unit
 
 LENGTH_COLUMNS = ("length", "lengths", "num_tokens")
 
@@ -206,6 +206,29 @@ def dataset_target_tokens(ds: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.
         prompt_length=np.asarray(ds["prompt_length"], dtype=np.int64) if prompt else None,
     )
     return target, offsets
+
+
+def dataset_target_counts(ds: Any, lengths: np.ndarray) -> np.ndarray:
+    """(num_rows,) target tokens of every row of a ``datasets.Dataset``, as the loss counts them (the
+    first token of a row is never a target: nothing predicts it; :func:`smart_batching.units.targets_per_unit`).
+
+    Read column-wise by :func:`dataset_target_tokens` (the planner's rule): a ``labels`` list column
+    (labels other than -100), one label per row (classification: 1), else ``completion_mask`` /
+    ``assistant_masks`` and ``prompt_length``, else every token after the first.
+
+    Args:
+        ds: A ``datasets.Dataset`` with ``input_ids``.
+        lengths: (num_rows,) its ``input_ids`` lengths.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if "labels" in _column_names(ds) and not _is_list_type(_arrow_type(ds, "labels")):
+        return np.ones(len(lengths), dtype=np.int64)
+    read = dataset_target_tokens(ds, lengths)
+    if read is None:  # no column marks targets: every token
+        target, offsets = np.ones(int(lengths.sum()), dtype=bool), np.concatenate([[0], np.cumsum(lengths)])
+    else:
+        target, offsets = read
+    return targets_per_unit(target, np.diff(offsets))
 
 
 def _auto_length_column(ds: Any) -> str | None:

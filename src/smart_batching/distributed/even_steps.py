@@ -25,8 +25,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from smart_batching.errors import ConfigError
-
-IGNORE_INDEX = -100
+from smart_batching.units import IGNORE_INDEX
 
 
 def null_batch(batch: Mapping[str, Any]) -> dict[str, Any]:

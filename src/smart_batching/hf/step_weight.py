@@ -49,9 +49,9 @@ import torch
 from transformers import TrainerCallback
 
 from smart_batching import compat
+from smart_batching.data.lengths import dataset_target_counts
 from smart_batching.errors import ConfigError
 from smart_batching.hf.data import _is_iterable, checked_lengths
-from smart_batching.units import targets_per_unit
 
 LOSS_NORMALIZATIONS = ("step", "epoch")
 """``loss_normalization`` values: ``"step"`` (HF's ``num_items_in_batch``, the default) and ``"epoch"``."""
@@ -67,30 +67,20 @@ def target_token_counts(dataset: Any, lengths: np.ndarray) -> np.ndarray:
     """(num_rows,) target tokens of every row of a ``datasets.Dataset``, as the loss counts them (the
     first token of a row is never a target: nothing predicts it).
 
-    Read column-wise by :func:`smart_batching.data.lengths.dataset_target_tokens` (the planner's rule): a
-    ``labels`` list column (labels other than -100), one label per row (classification: 1), else
-    ``completion_mask`` / ``assistant_masks`` and ``prompt_length``, else every token after the first.
+    :func:`smart_batching.data.lengths.dataset_target_counts` (the planner's rule): a ``labels`` list
+    column (labels other than -100), one label per row (classification: 1), else ``completion_mask`` /
+    ``assistant_masks`` and ``prompt_length``, else every token after the first.
 
     Raises:
         ConfigError: ``dataset`` is not a ``datasets.Dataset`` (nothing to read the targets from in bulk).
     """
-    from smart_batching.data.lengths import _arrow_type, _is_list_type, dataset_target_tokens
-
     columns = getattr(dataset, "column_names", None) or []
     if not (columns and hasattr(dataset, "data") and "input_ids" in columns):
         raise ConfigError(
             "loss_normalization='epoch' reads the target tokens of every example from a datasets.Dataset "
             "with input_ids; pass one, or keep loss_normalization='step'"
         )
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if "labels" in columns and not _is_list_type(_arrow_type(dataset, "labels")):
-        return np.ones(len(lengths), dtype=np.int64)
-    read = dataset_target_tokens(dataset, lengths)
-    if read is None:  # no column marks targets: every token
-        target, offsets = np.ones(int(lengths.sum()), dtype=bool), np.concatenate([[0], np.cumsum(lengths)])
-    else:
-        target, offsets = read
-    return targets_per_unit(target, np.diff(offsets))
+    return dataset_target_counts(dataset, lengths)
 
 
 def mean_step_targets(counts: np.ndarray, micro_batches: int, accumulation_steps: int) -> float:

@@ -31,6 +31,7 @@ import torch
 from smart_batching import compat
 from smart_batching.errors import ConfigError, DataError
 from smart_batching.hf.dpo.collate import PACKED_PAIRS, PairCollator
+from smart_batching.units import IGNORE_INDEX
 
 
 class PairForward:
@@ -76,7 +77,7 @@ class PairForward:
             return None
         if packed is None and not self.target_logits_only:
             return None
-        valid = labels[:, 1:] != -100  # (2 * pairs, width - 1): TRL's scored positions
+        valid = labels[:, 1:] != IGNORE_INDEX  # (2 * pairs, width - 1): TRL's scored positions
         targets = labels[:, 1:][valid]  # (targets,)
         kwargs.pop("labels")
         if packed is None:

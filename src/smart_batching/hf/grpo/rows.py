@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from smart_batching.errors import DataError, OverlongError
+from smart_batching.units import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class Completions:
             p = prompt.size
             ids.append(prompt[:-1])
             positions.append(np.arange(p - 1))
-            labels.append(np.full(p - 1, -100))
+            labels.append(np.full(p - 1, IGNORE_INDEX))
             offset += p - 1
             group = [p - 1]
             for b in unit:
@@ -136,7 +137,7 @@ class Completions:
                 c = completion.size
                 ids.append(np.concatenate([prompt[-1:], completion]))
                 positions.append(np.arange(p - 1, p + c))
-                labels.append(np.concatenate([completion, [-100]]))
+                labels.append(np.concatenate([completion, [IGNORE_INDEX]]))
                 source.append(offset + np.arange(c))
                 target.append(int(b) * self.width + np.arange(c))
                 offset += 1 + c
