@@ -37,10 +37,9 @@ import numpy as np
 import torch
 
 from smart_batching.errors import ConfigError, DataError
-from smart_batching.units import IGNORE_INDEX
+from smart_batching.units import IGNORE_INDEX, MASK_COLUMNS
 
 _PER_TOKEN = ("input_ids", "labels", "completion_mask", "assistant_masks", "token_type_ids", "position_ids")
-_MASKS = ("completion_mask", "assistant_masks")
 DOCUMENTS = "seq_lengths"
 """Key of an example's document lengths, from :func:`_examples` (a row that holds several documents)."""
 
@@ -98,7 +97,7 @@ def _example(
             docs = docs[docs > 0]
         fields = {k: v[:max_length] for k, v in fields.items()}
 
-    masks = [fields.pop(m) for m in _MASKS if m in fields]
+    masks = [fields.pop(m) for m in MASK_COLUMNS if m in fields]
     if "labels" in fields:
         labels = fields["labels"].copy()  # as given: HF and TRL use a labels column as is
     else:

@@ -199,6 +199,7 @@ def plan_units(
 
 
 MASK_COLUMNS = ("completion_mask", "assistant_masks")
+"""Per-token mask columns (TRL's) whose non-zero tokens are the targets, where no ``labels`` are given."""
 
 
 def target_tokens(

@@ -10,10 +10,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from smart_batching.data.lengths import dataset_target_tokens, lengths_from_dataset, list_column
 from smart_batching.fallbacks import warn_fallback
 from smart_batching.plan import as_lengths
 from smart_batching.planners import DEFAULT_STRATEGY, make_spec, spec_class
 from smart_batching.sampler import SegmentDataset, SmartBatchSampler
+from smart_batching.units import MASK_COLUMNS as TARGET_MASK_COLUMNS
 from smart_batching.units import PlanUnits, plan_units, targets_per_unit
 
 # Columns the collators read; everything else (text, messages, ...) is left out of the fetch.
@@ -28,7 +30,7 @@ MODEL_INPUT_COLUMNS = (
     "position_ids",
 )
 
-MASK_COLUMNS = ("prompt_length", "completion_mask", "assistant_masks")
+MASK_COLUMNS = ("prompt_length", *TARGET_MASK_COLUMNS)
 """Columns that say which tokens are targets: a collator that never sees them trains on every token."""
 
 
@@ -73,8 +75,6 @@ def dataset_lengths(
     except ImportError:  # pragma: no cover - datasets ships with the hf extra
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.Dataset):
-        from smart_batching.data.lengths import lengths_from_dataset
-
         columns = dataset.column_names
         column = length_column if length_column and length_column in columns else input_column
         return lengths_from_dataset(dataset, column)
@@ -141,8 +141,6 @@ def dataset_units(dataset: Any, lengths: np.ndarray, *, empty_examples: str = "s
     columns = getattr(dataset, "column_names", None) or []
     if not (columns and hasattr(dataset, "data") and "input_ids" in columns):
         return plan_units(lengths, empty_examples=empty_examples)
-    from smart_batching.data.lengths import list_column
-
     documents = None
     if "seq_lengths" in columns:
         doc_lengths, doc_offsets = list_column(dataset, "seq_lengths")
@@ -171,8 +169,6 @@ def _documents_from_positions(positions: np.ndarray, offsets: np.ndarray) -> tup
 def _fully_masked(dataset: Any, lengths: np.ndarray, unit_lengths: np.ndarray) -> np.ndarray | None:
     """(num_units,) True where a unit has tokens but no target token the loss counts (its first token
     never is: :func:`~smart_batching.units.targets_per_unit`); None when no column says."""
-    from smart_batching.data.lengths import dataset_target_tokens
-
     read = dataset_target_tokens(dataset, lengths)
     if read is None or read[0].shape[0] != int(unit_lengths.sum()):
         return None  # nothing marks targets, or labels that do not match input_ids: the collator reports it
