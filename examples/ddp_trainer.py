@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--out", default="runs/ddp_trainer")
     ap.add_argument(
-        "--mix-steps", action="store_true", help="each step's micro-batch rounds from as many length strata"
+        "--mix-steps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="each step's micro-batch rounds from as many length strata (auto: on for group_by_length)",
     )
     ap.add_argument(
         "--fsdp", action="store_true", help="shard the model with FSDP2 (accelerate) instead of DDP"
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         data_collator=collator,
         strategy=args.strategy,
         strategy_options=STRATEGY_OPTIONS[args.strategy],
-        mix_steps=args.mix_steps,
+        mix_steps={"on": True, "off": False}.get(args.mix_steps, "auto"),
     )
     result = trainer.train()
     rank = training_args.process_index

@@ -61,7 +61,7 @@ def test_trainer_ddp_mix_steps(tmp_path: Path) -> None:
     step_tokens = {}
     for mix in (False, True):
         records, summary = run_ddp(
-            "group_by_length", tmp_path / str(mix), 2, *(["--mix-steps"] if mix else [])
+            "group_by_length", tmp_path / str(mix), 2, "--mix-steps", "on" if mix else "off"
         )
         check(records, summary)
         step_tokens[mix] = np.sum([r["tokens_per_step"] for r in records], axis=0)

@@ -4,6 +4,11 @@ rows; and the token weights it is for."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -189,9 +194,10 @@ def test_bench_rows_split_a_step_into_mixed_micro_batches():
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
-from test_trainer import counting_dataset, tiny_llama, training_args  # noqa: E402
+from test_trainer import counting_dataset, max_diff, tiny_llama, training_args, weights  # noqa: E402
 
 from smart_batching.hf import SmartBatchingTrainer  # noqa: E402
+from smart_batching.hf.resume import SAMPLER_STATE_NAME  # noqa: E402
 
 
 class _Recorder:
@@ -206,14 +212,22 @@ class _Recorder:
         return self.inner(features)
 
 
-def _trainer(tmp_path, *, accum: int, mix: bool, **extra):
+_DEFAULT = object()
+
+
+def _trainer(tmp_path, *, accum: int, mix=_DEFAULT, strategy="group_by_length", args=None, **extra):
+    options = {"max_tokens": 120} if strategy == "token_budget" else {"batch_size": 2}
+    if mix is not _DEFAULT:
+        extra["mix_steps"] = mix
     return SmartBatchingTrainer(
         model=tiny_llama(),
-        args=training_args(tmp_path, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=accum),
+        args=training_args(
+            tmp_path,
+            **{"max_steps": -1, "num_train_epochs": 1, "gradient_accumulation_steps": accum, **(args or {})},
+        ),
         train_dataset=counting_dataset(48, max_len=60),
-        strategy="group_by_length",
-        strategy_options={"batch_size": 2},
-        mix_steps=mix,
+        strategy=strategy,
+        strategy_options=options,
         **extra,
     )
 
@@ -243,5 +257,131 @@ def test_trainer_refuses_mix_steps_where_a_step_has_nothing_to_mix(tmp_path):
         _trainer(tmp_path, accum=1, mix=True)
     with pytest.raises(ConfigError, match="batch_schedule"):
         _trainer(tmp_path, accum=2, mix=True, batch_schedule="0:8 100:16")
-    with pytest.raises(ConfigError, match="True or False"):
+    with pytest.raises(ConfigError, match="'auto', True or False"):
         _trainer(tmp_path, accum=2, mix="yes")
+
+
+def test_auto_mixes_group_by_length_with_accumulation_and_nothing_else(tmp_path, caplog):
+    """The default, ``mix_steps="auto"``: on for group_by_length with several micro-batches a step (said
+    once in the log), off where a step has one (also under a batch schedule) and for token_budget."""
+    with caplog.at_level(logging.INFO, logger="smart_batching.hf"):
+        trainer = _trainer(tmp_path, accum=2)
+    sb = trainer.smart_batching
+    assert sb.mix_steps and sb.mix_steps_auto
+    assert sum("mix_steps='auto' is on" in r.getMessage() for r in caplog.records) == 1
+    assert isinstance(trainer.make_train_sampler(), DistributedSmartBatchSampler)
+    assert trainer.make_train_sampler().mix_steps
+    off = [
+        _trainer(tmp_path, accum=1),
+        _trainer(tmp_path, accum=2, strategy="token_budget"),
+        _trainer(tmp_path, accum=1, batch_schedule="0:8 100:16"),  # a schedule runs with accumulation 1
+        _trainer(tmp_path, accum=2, mix=False),
+    ]
+    for t in off:
+        assert not t.smart_batching.mix_steps and not t.smart_batching.mix_steps_auto
+    assert not isinstance(off[0].make_train_sampler(), DistributedSmartBatchSampler)
+    assert _trainer(tmp_path, accum=2, strategy="token_budget", mix=True).smart_batching.mix_steps
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_auto_trains_the_steps_of_mix_steps_true(tmp_path):
+    runs = {}
+    for mix in (True, _DEFAULT):
+        trainer = _trainer(tmp_path / str(mix is True), accum=2, mix=mix, args={"max_steps": 3})
+        recorder = _Recorder(trainer.data_collator)
+        trainer.data_collator = recorder
+        trainer.train()
+        runs[mix is True] = (recorder.tokens, weights(trainer.model))
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) >= 6  # 3 steps of 2 (and a prefetch)
+    assert max_diff(runs[True][1], runs[False][1]) == 0.0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_keeps_the_mix_it_was_saved_with(tmp_path):
+    """A mixed run resumes to the same weights; a checkpoint resumes only under the ``mix_steps`` it was
+    saved with (the same micro-batches fall into other steps otherwise), and the refusal says which and
+    why: a run saved with ``mix_steps=False`` meets the ``"auto"`` default."""
+    save = {"max_steps": 5, "save_strategy": "steps", "save_steps": 3}
+    full = _trainer(tmp_path / "mixed", accum=2, args=save)
+    full.train()
+    mixed_checkpoint = tmp_path / "mixed" / "out" / "checkpoint-3"
+    assert json.loads((mixed_checkpoint / SAMPLER_STATE_NAME).read_text())["mix_steps"] == 1
+    resumed = _trainer(tmp_path / "mixed", accum=2, args=save)
+    resumed.train(resume_from_checkpoint=str(mixed_checkpoint))
+    assert max_diff(weights(resumed.model), weights(full.model)) <= 1e-6
+    with pytest.raises(ConfigError, match=r"formed with mix_steps=True.*Resume with mix_steps=True"):
+        _trainer(tmp_path / "mixed", accum=2, mix=False, args=save).train(
+            resume_from_checkpoint=str(mixed_checkpoint)
+        )
+
+    _trainer(tmp_path / "plain", accum=2, mix=False, args=save).train()
+    plain_checkpoint = str(tmp_path / "plain" / "out" / "checkpoint-3")
+    with pytest.raises(
+        ConfigError, match=r"mix_steps=False and this run has mix_steps=True \(mix_steps='auto'"
+    ):
+        _trainer(tmp_path / "plain", accum=2, args=save).train(resume_from_checkpoint=plain_checkpoint)
+    again = _trainer(tmp_path / "plain", accum=2, mix=False, args=save)
+    again.train(resume_from_checkpoint=plain_checkpoint)
+    assert again.state.global_step == 5
+    restart = _trainer(tmp_path / "plain", accum=2, args={**save, "ignore_data_skip": True})
+    restart.train(resume_from_checkpoint=plain_checkpoint)  # the data order restarts: nothing to refuse
+    assert restart.state.global_step == 5
+
+
+def test_sampler_resumes_a_state_saved_before_mix_steps_as_unmixed():
+    lengths = _lengths(40)
+    plain = DistributedSmartBatchSampler(
+        lengths, "group_by_length", world=World(0, 1), accum_steps=2, batch_size=2
+    )
+    state = plain.state_dict()
+    del state["mix_steps"]  # as saved before the option existed
+    again = DistributedSmartBatchSampler(
+        lengths, "group_by_length", world=World(0, 1), accum_steps=2, batch_size=2
+    )
+    again.load_state_dict(state)
+    mixed = DistributedSmartBatchSampler(
+        lengths, "group_by_length", world=World(0, 1), accum_steps=2, mix_steps=True, batch_size=2
+    )
+    with pytest.raises(ConfigError, match="saved with mix_steps=False, now True"):
+        mixed.load_state_dict(state)
+
+
+def _example(name: str):
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"mix_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_auto_mixes_an_sft_trainer_and_leaves_dpo_steps_alone(tmp_path):
+    """The ``"auto"`` default reaches TRL's ``SFTTrainer`` through ``apply_smart_batching`` (the
+    Trainer's kind: its steps mix and train); a ``DPOTrainer``'s kind has no ``mix_steps`` and keeps
+    its steps."""
+    trl = pytest.importorskip("trl")
+    from smart_batching.hf import apply_smart_batching
+
+    sft = _example("trl_sft")
+    tokenizer = sft.word_tokenizer()
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), max_steps=2, gradient_accumulation_steps=2, save_strategy="no",
+        report_to=[], use_cpu=True, disable_tqdm=True, max_length=None, dataset_num_proc=None, bf16=False,
+    )  # fmt: skip
+    trainer = trl.SFTTrainer(
+        model=sft.tiny_llama(len(tokenizer)), args=config, train_dataset=sft.copy_task(32),
+        processing_class=tokenizer,
+    )  # fmt: skip
+    apply_smart_batching(trainer, "group_by_length", batch_size=4)
+    assert trainer.smart_batching.mix_steps and trainer.smart_batching.mix_steps_auto
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert isinstance(trainer.sb_sampler, DistributedSmartBatchSampler) and trainer.sb_sampler.mix_steps
+
+    dpo = _example("trl_dpo")
+    pairs = dpo.preference_task(16, seed=5)
+    trainer = dpo.dpo_trainer(pairs, output_dir=str(tmp_path / "dpo"), gradient_accumulation_steps=2)
+    apply_smart_batching(trainer, "group_by_length", batch_size=2)
+    assert not trainer.smart_batching.mix_steps
+    with pytest.raises(ConfigError, match="mix_steps"):
+        apply_smart_batching(trainer, "group_by_length", batch_size=2, mix_steps=True)

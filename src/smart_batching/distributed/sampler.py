@@ -179,9 +179,10 @@ class DistributedSmartBatchSampler(SmartBatchSampler):
                 f"cannot resume the batch sampler: it was saved with max_extra_steps="
                 f"{state['max_extra_steps']!r}, now {self.max_extra_steps!r} (the plans differ); pass the same"
             )
-        if bool(state.get("mix_steps", 0)) != self.mix_steps:
+        saved_mix = bool(state.get("mix_steps", 0))  # a state saved before mix_steps existed: off
+        if saved_mix != self.mix_steps:
             raise ConfigError(
-                f"cannot resume the batch sampler: it was saved with mix_steps={bool(state['mix_steps'])}, "
+                f"cannot resume the batch sampler: it was saved with mix_steps={saved_mix}, "
                 f"now {self.mix_steps} (the plans differ); pass the same"
             )
         saved_world = int(state.get("world_size", 1))

@@ -194,6 +194,27 @@ class ResumeMixin:
             return sampler.distributed_plan(epoch).num_steps * sampler.accum_steps
         return len(sampler.plan_for_epoch(epoch))
 
+    def _check_resume_steps(self, state: Mapping[str, Any]) -> None:
+        """Refuse to resume a map-style cursor whose optimizer steps were formed with another ``mix_steps``:
+        the plan is the same, but its micro-batches fall into other steps, so skipping the trained ones
+        would train some examples twice and miss others."""
+        if "fingerprint" not in state or self.args.ignore_data_skip:
+            return  # a stream's cursor (refused elsewhere), or the data order restarts anyway
+        saved, now = bool(state.get("mix_steps", 0)), self.smart_batching.mix_steps
+        if saved == now:
+            return
+        why = (
+            " (mix_steps='auto', the default, turns it on for group_by_length with gradient_accumulation_steps "
+            ">= 2; a checkpoint saved without it has consecutive batches as steps)"
+            if self.smart_batching.mix_steps_auto
+            else ""
+        )
+        raise ConfigError(
+            f"the checkpoint's optimizer steps were formed with mix_steps={saved} and this run has "
+            f"mix_steps={now}{why}: its steps would hold other micro-batches, and the rest of the epoch other "
+            f"examples. Resume with mix_steps={saved}, or set ignore_data_skip=True to restart the data order"
+        )
+
     def _check_resume_position(self, epoch: int, skipped: int) -> None:
         self.smart_batching.resume_checked = True
         state = self.smart_batching.resume_state

@@ -56,6 +56,7 @@ class SmartBatchingState:
         epoch_normalization: with ``"epoch"``, its :class:`~smart_batching.hf.step_weight.EpochNormalization`
             callback (``mean_targets``: the plan's target tokens per step; ``factors``: each step's scale).
         mix_steps: each step's micro-batches drawn from as many length strata (one process or several).
+        mix_steps_auto: ``mix_steps`` was turned on by ``"auto"`` (not asked for), for the resume refusal.
     """
 
     spec: Any
@@ -95,3 +96,4 @@ class SmartBatchingState:
     loss_normalization: str = "step"
     epoch_normalization: Any = None
     mix_steps: bool = False
+    mix_steps_auto: bool = False

@@ -87,7 +87,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         lr_scaling: str | None = None,
         oom_backoff: Any = None,
         loss_normalization: str = "step",
-        mix_steps: bool = False,
+        mix_steps: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         user_collator = kwargs.get("data_collator") is not None
@@ -129,7 +129,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         lr_scaling: str | None = None,
         oom_backoff: Any = None,
         loss_normalization: str = "step",
-        mix_steps: bool = False,
+        mix_steps: bool | str = "auto",
     ) -> None:
         """Configure smart batching on an initialised trainer.
 
@@ -185,9 +185,13 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 consecutive batches of a shuffled plan (one process) or similar micro-batches (several):
                 a step of ``group_by_length`` then holds short and long examples and its target
                 tokens vary less between steps, while every micro-batch, and so the padding, is the
-                plan's (:func:`~smart_batching.distributed.distribute`). Refused with one micro-batch per
-                step, a streamed dataset and a ``batch_schedule``.
-
+                plan's (:func:`~smart_batching.distributed.distribute`). ``"auto"`` (the default) turns
+                it on for ``group_by_length`` where it applies (``gradient_accumulation_steps`` >= 2, a
+                map-style dataset, no ``batch_schedule``; logged once), the one strategy whose held-out
+                loss it was measured to bring level with ``random`` (benchmarks/RESULTS.md, "mix_steps
+                at ten seeds"), and off otherwise. True asks for it with any strategy and is refused with
+                one micro-batch per step, a streamed dataset and a ``batch_schedule``; False: off. A
+                checkpoint resumes only with the setting it was saved with (the refusal names it).
         Raises:
             ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
                 attention.
@@ -253,9 +257,12 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
     # -- data ---------------------------------------------------------------------------------------
 
     def _check_mix_steps(self, mix_steps: Any) -> bool:
-        """``mix_steps`` as a bool, refused where a step has nothing to mix or no whole plan."""
+        """``mix_steps`` as a bool: ``"auto"`` resolved (the spec's ``mixes_steps_by_default``), True refused
+        where a step has nothing to mix or no whole plan."""
+        if isinstance(mix_steps, str) and mix_steps == "auto":
+            return self._auto_mix_steps()
         if not isinstance(mix_steps, bool):
-            raise ConfigError(f"mix_steps= takes True or False, got {mix_steps!r}")
+            raise ConfigError(f"mix_steps= takes 'auto', True or False, got {mix_steps!r}")
         if not mix_steps:
             return False
         if self.args.gradient_accumulation_steps < 2:
@@ -274,6 +281,29 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 "mix_steps=True and batch_schedule= together: a schedule forms its own steps; drop one"
             )
         return True
+
+    def _auto_mix_steps(self) -> bool:
+        """``mix_steps="auto"``: on where the strategy asks for it
+        (:meth:`~smart_batching.planners.PlannerSpec.mixes_steps_by_default`), a step has micro-batches
+        to mix and the epoch a whole plan; said once in the log when it turns on."""
+        spec = self.smart_batching.spec
+        accum = self.args.gradient_accumulation_steps
+        on = (
+            spec.mixes_steps_by_default()
+            and accum >= 2
+            and not (self.train_dataset is not None and _is_iterable(self.train_dataset))
+            and self.smart_batching.batch_schedule is None
+        )
+        self.smart_batching.mix_steps_auto = on
+        if on:
+            logger.info(
+                "smart batching: mix_steps='auto' is on: each optimizer step takes one micro-batch of each of "
+                "%d length strata of %s's plan (the same micro-batches, steps of more even tokens); "
+                "mix_steps=False keeps consecutive batches",
+                accum,
+                spec.name,
+            )
+        return on
 
     def _resolve_auto_budget(
         self, strategy: Any, options: dict[str, Any], lengths: Any, length_column: str | None
@@ -350,6 +380,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
         sampler = self.make_train_sampler()
         self._plan_step_weight(sampler)
         if self.smart_batching.resume_state is not None:
+            self._check_resume_steps(self.smart_batching.resume_state)
             sampler.check_state_dict(self.smart_batching.resume_state)
         self.smart_batching.sampler = sampler
         from smart_batching.collate import PaddingCollator

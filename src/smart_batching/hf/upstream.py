@@ -62,7 +62,9 @@ UPSTREAM_OPTIONS: tuple[UpstreamOption, ...] = (
         "(on a `DPOTrainer`, which refuses those: a number of tokens)."),
     UpstreamOption(TA, "gradient_accumulation_steps",
         "Honoured: the loss of an optimizer step is normalised by the target tokens of all its "
-        "micro-batches; with several processes each step deals that many micro-batches per rank."),
+        "micro-batches; with several processes each step deals that many micro-batches per rank. "
+        "With strategy group_by_length (HF Trainer, SFTTrainer) each step takes its micro-batches from as "
+        "many length strata (`mix_steps=\"auto\"`; `mix_steps=False` keeps consecutive batches)."),
     UpstreamOption(TA, "average_tokens_across_devices",
         "Honoured: the token count is summed across ranks as transformers does."),
     UpstreamOption(TA, "seed / data_seed",

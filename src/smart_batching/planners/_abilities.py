@@ -187,6 +187,14 @@ class StepBalance:
         bs = getattr(self, "batch_size", None)
         return MicroBatchLimits(None, 1, None, None if bs is None else bs + max(1, bs // 8), bs)
 
+    def mixes_steps_by_default(self) -> bool:
+        """Whether ``mix_steps="auto"`` (the Trainer's default) draws an optimizer step's micro-batches
+        from as many length strata of the plan where a step has several: for a strategy whose batches
+        are each one length stratum, so that a step of consecutive batches is one too and, with gradient
+        clipping binding, its tokens weigh by the stratum. Default False: a strategy turns it on where
+        the time-to-quality study measured it helping (benchmarks/RESULTS.md, "mix_steps at ten seeds")."""
+        return False
+
 
 class CostliestFirst:
     """The batch that fills memory most goes first, so a budget that does not fit fails at step 1."""

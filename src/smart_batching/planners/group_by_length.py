@@ -147,6 +147,11 @@ class GroupByLengthSpec(PlannerSpec):
         that an out-of-memory shows at the first step, in both modes and on any number of processes."""
         return True
 
+    def mixes_steps_by_default(self) -> bool:
+        """Yes: steps of one length stratum left its held-out loss above ``random``'s, mixed steps level
+        with it on three sets of four (ten seeds; benchmarks/RESULTS.md, "mix_steps at ten seeds")."""
+        return True
+
     def costliest_keys(self, shapes: BatchShapes) -> tuple[np.ndarray, np.ndarray]:
         """HF's rule: the longest example first; ties to the largest footprint (a full batch first)."""
         return shapes.longest, self.footprint(shapes)
