@@ -385,3 +385,30 @@ def test_auto_mixes_an_sft_trainer_and_leaves_dpo_steps_alone(tmp_path):
     assert not trainer.smart_batching.mix_steps
     with pytest.raises(ConfigError, match="mix_steps"):
         apply_smart_batching(trainer, "group_by_length", batch_size=2, mix_steps=True)
+
+
+def test_auto_steps_aside_where_the_examples_cannot_fill_a_step(tmp_path, caplog):
+    """Three examples and 4 micro-batches a step: mixing would leave a micro-batch empty, so ``"auto"``
+    turns off (one log line) and the run trains as before; ``mix_steps=True`` is refused, naming the way
+    out."""
+
+    def make(mix=_DEFAULT):
+        extra = {} if mix is _DEFAULT else {"mix_steps": mix}
+        return SmartBatchingTrainer(
+            model=tiny_llama(),
+            args=training_args(tmp_path, max_steps=1, gradient_accumulation_steps=4),
+            train_dataset=counting_dataset(3, max_len=20),
+            strategy="group_by_length",
+            strategy_options={"batch_size": 1},
+            **extra,
+        )
+
+    trainer = make()
+    assert trainer.smart_batching.mix_steps
+    with caplog.at_level(logging.INFO, logger="smart_batching.hf"):
+        trainer.train()
+    assert not trainer.smart_batching.mix_steps and not trainer.smart_batching.mix_steps_auto
+    assert not isinstance(trainer.sb_sampler, DistributedSmartBatchSampler)
+    assert any("mix_steps='auto' is off" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="mix_steps=False"):
+        make(True).train()

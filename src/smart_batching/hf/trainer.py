@@ -192,6 +192,7 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 at ten seeds"), and off otherwise. True asks for it with any strategy and is refused with
                 one micro-batch per step, a streamed dataset and a ``batch_schedule``; False: off. A
                 checkpoint resumes only with the setting it was saved with (the refusal names it).
+
         Raises:
             ConfigError: bad strategy options, or (a strategy that packs rows) a model that would leak
                 attention.
@@ -362,10 +363,21 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 units=units,
             )
             if sampler.distributed_plan().num_empty_slots:
+                if args.world_size == 1 and self.smart_batching.mix_steps_auto:
+                    # Too few examples to fill every step's strata: one process trains its batches as they come.
+                    logger.info(
+                        "smart batching: mix_steps='auto' is off: %d examples are too few for steps of %d "
+                        "micro-batches, none of them empty",
+                        sampler.num_examples,
+                        args.gradient_accumulation_steps,
+                    )
+                    self.smart_batching.mix_steps = self.smart_batching.mix_steps_auto = False
+                    return self.make_train_sampler()
                 raise ConfigError(
                     f"the dataset has too few examples for {args.world_size} processes × "
                     f"{args.gradient_accumulation_steps} accumulation steps: some micro-batches would be empty. "
-                    "Lower gradient_accumulation_steps= or the number of processes."
+                    "Lower gradient_accumulation_steps= or the number of processes"
+                    + (" (or pass mix_steps=False on one process)." if args.world_size == 1 else ".")
                 )
             return sampler
         return SmartBatchSampler(
