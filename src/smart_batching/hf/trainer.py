@@ -259,49 +259,46 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
 
     def _check_mix_steps(self, mix_steps: Any) -> bool:
         """``mix_steps`` as a bool: ``"auto"`` resolved (the spec's ``mixes_steps_by_default``), True refused
-        where a step has nothing to mix or no whole plan."""
+        where a step has nothing to mix or no whole plan (:meth:`_why_no_mix`)."""
         if isinstance(mix_steps, str) and mix_steps == "auto":
             return self._auto_mix_steps()
         if not isinstance(mix_steps, bool):
             raise ConfigError(f"mix_steps= takes 'auto', True or False, got {mix_steps!r}")
-        if not mix_steps:
-            return False
+        why = self._why_no_mix() if mix_steps else None
+        if why is not None:
+            raise ConfigError(why)
+        return mix_steps
+
+    def _why_no_mix(self) -> str | None:
+        """Why this run's steps cannot be mixed (the refusal of ``mix_steps=True``), or None."""
         if self.args.gradient_accumulation_steps < 2:
-            raise ConfigError(
+            return (
                 "mix_steps=True draws each optimizer step's micro-batches from different length strata, "
                 "and a step of gradient_accumulation_steps=1 has one: set "
                 "TrainingArguments(gradient_accumulation_steps=k) with k >= 2 (the batch size a micro-batch)"
             )
         if self.train_dataset is not None and _is_iterable(self.train_dataset):
-            raise ConfigError(
+            return (
                 "mix_steps=True needs the whole plan of an epoch, and a streamed train_dataset has none: "
                 "pass a map-style dataset or drop mix_steps"
             )
         if self.smart_batching.batch_schedule is not None:
-            raise ConfigError(
-                "mix_steps=True and batch_schedule= together: a schedule forms its own steps; drop one"
-            )
-        return True
+            return "mix_steps=True and batch_schedule= together: a schedule forms its own steps; drop one"
+        return None
 
     def _auto_mix_steps(self) -> bool:
         """``mix_steps="auto"``: on where the strategy asks for it
-        (:meth:`~smart_batching.planners.PlannerSpec.mixes_steps_by_default`), a step has micro-batches
-        to mix and the epoch a whole plan; said once in the log when it turns on."""
+        (:meth:`~smart_batching.planners.PlannerSpec.mixes_steps_by_default`) and ``True`` would be taken
+        (a step has micro-batches to mix, the epoch a whole plan); said once in the log when it turns on."""
         spec = self.smart_batching.spec
-        accum = self.args.gradient_accumulation_steps
-        on = (
-            spec.mixes_steps_by_default()
-            and accum >= 2
-            and not (self.train_dataset is not None and _is_iterable(self.train_dataset))
-            and self.smart_batching.batch_schedule is None
-        )
+        on = spec.mixes_steps_by_default() and self._why_no_mix() is None
         self.smart_batching.mix_steps_auto = on
         if on:
             logger.info(
                 "smart batching: mix_steps='auto' is on: each optimizer step takes one micro-batch of each of "
                 "%d length strata of %s's plan (the same micro-batches, steps of more even tokens); "
                 "mix_steps=False keeps consecutive batches",
-                accum,
+                self.args.gradient_accumulation_steps,
                 spec.name,
             )
         return on
@@ -362,24 +359,23 @@ class SmartBatchingMixin(ResumeMixin, AdaptiveMixin, StepWeightMixin, TokenLossM
                 seed=self.smart_batching.seed,
                 units=units,
             )
-            if sampler.distributed_plan().num_empty_slots:
-                if args.world_size == 1 and self.smart_batching.mix_steps_auto:
-                    # Too few examples to fill every step's strata: one process trains its batches as they come.
-                    logger.info(
-                        "smart batching: mix_steps='auto' is off: %d examples are too few for steps of %d "
-                        "micro-batches, none of them empty",
-                        sampler.num_examples,
-                        args.gradient_accumulation_steps,
-                    )
-                    self.smart_batching.mix_steps = self.smart_batching.mix_steps_auto = False
-                    return self.make_train_sampler()
+            if not sampler.distributed_plan().num_empty_slots:
+                return sampler
+            if args.world_size > 1 or not self.smart_batching.mix_steps_auto:
                 raise ConfigError(
                     f"the dataset has too few examples for {args.world_size} processes × "
                     f"{args.gradient_accumulation_steps} accumulation steps: some micro-batches would be empty. "
                     "Lower gradient_accumulation_steps= or the number of processes"
                     + (" (or pass mix_steps=False on one process)." if args.world_size == 1 else ".")
                 )
-            return sampler
+            # Too few examples to fill every step's strata: one process trains its batches as they come.
+            logger.info(
+                "smart batching: mix_steps='auto' is off: %d examples are too few for steps of %d "
+                "micro-batches, none of them empty",
+                sampler.num_examples,
+                args.gradient_accumulation_steps,
+            )
+            self.smart_batching.mix_steps = self.smart_batching.mix_steps_auto = False
         return SmartBatchSampler(
             lengths, self.smart_batching.spec, seed=self.smart_batching.seed, units=units
         )
