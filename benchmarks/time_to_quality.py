@@ -254,8 +254,27 @@ def trl_run(bench: Any, capacity: int, seed: int, eval_every: str | None) -> dic
     }  # fmt: skip
 
 
+def chance_reach(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """How often a level row reaches random's final held-out loss by chance: over every ordered pair of
+    ``runs`` (random's runs, one per seed), whether run ``j``'s curve reaches run ``i``'s final loss.
+    Two seeds of random are level by construction (only the order differs), so this is what a strategy
+    that learns exactly as random does scores in the "reached" column (about half the pairs where the
+    held-out loss falls to the end, more where it rises before it)."""
+    from smart_batching.bench.curve import time_to_target
+
+    finals = [r["eval"]["loss"] for r in runs]
+    hits = sum(
+        bool(time_to_target(runs[j].get("eval_curve"), finals[i])["reached"])
+        for i in range(len(runs))
+        for j in range(len(runs))
+        if i != j
+    )
+    return {"reached": hits, "pairs": len(runs) * (len(runs) - 1)}
+
+
 def summarise(task: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per strategy: time-to-target ratios, held-out loss per epoch against random, pairs again."""
+    """One row per strategy: time-to-target ratios, held-out loss per epoch against random, pairs again;
+    random's row also says how often a level row reaches random's final loss (:func:`chance_reach`)."""
     from smart_batching.bench.curve import epoch_losses
     from smart_batching.bench.summary import time_to_target_rows
 
@@ -304,6 +323,9 @@ def summarise(task: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 else None,
                 "load_average": [float(np.min(loads)), float(np.max(loads))] if all(loads) else None,
                 "steps": float(np.mean([by[(name, s)]["num_steps"] for s in seeds])),
+                "chance_reach": chance_reach([by[(name, s)] for s in seeds])
+                if name == "random" and len(seeds) > 1
+                else None,
             }
         )
     return rows
@@ -337,6 +359,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             pairs = "-" if r["pairs_again"] is None else f"{100 * r['pairs_again']:.1f}%"
             line += f" {pairs:>12} {r['efficiency']:>9.1%}"
             lines.append(line)
+        chance = next((r["chance_reach"] for r in sub if r.get("chance_reach")), None)
+        if chance:
+            lines.append(
+                f"  a level row reaches random's final loss by chance in {chance['reached']}/{chance['pairs']} "
+                f"({chance['reached'] / chance['pairs']:.0%}) pairs of random's seeds"
+            )
     return "\n".join(lines)
 
 

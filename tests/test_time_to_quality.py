@@ -63,10 +63,19 @@ def test_summary_from_records_per_epoch_and_time_to_target(tmp_path, capsys):
     gbl = rows["group_by_length"]
     assert gbl["reached"] == 3 and gbl["ttt_wall"]["median"] == pytest.approx(2 / 9)
     assert rows["random"]["ttt_wall"]["median"] == 1.0
+    # Chance: random's seeds against each other (finals 6.0, 6.1, 5.95, curves falling to the end): a
+    # seed reaches another's final loss where its own ends at or below it, 3 of the 6 ordered pairs.
+    assert rows["random"]["chance_reach"] == {"reached": 3, "pairs": 6} and packed["chance_reach"] is None
+    # A curve that dips below its end reaches more: seed 1, at 5.9 after epoch 2 and 6.1 at its end, now
+    # reaches seed 0's 6.0 and seed 2's 5.95 as well: 5 of 6.
+    dipped = [dict(r, eval_curve=dict(r["eval_curve"], loss=[10.0, 8.1, 5.9, 6.1])) if r["seed"] == 1 else r
+              for r in records if r["strategy"] == "random"]  # fmt: skip
+    assert module.chance_reach(dipped) == {"reached": 5, "pairs": 6}
     out = capsys.readouterr().out
     assert sum(line.startswith("{") for line in out.splitlines()) == 3
     table = module.format_table(list(rows.values()))
     assert "epoch 3 loss vs random" in table and "+2.00% [+2.00, +2.00]" in table
+    assert "by chance in 3/6 (50%) pairs of random's seeds" in table
 
 
 def test_step_weights_on_gsm8k_lengths():
