@@ -344,7 +344,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for task in dict.fromkeys(r["task"] for r in rows):
         sub = [r for r in rows if r["task"] == task]
         epochs = [e["epoch"] for e in sub[0]["epochs"]]
-        lines.append(f"{task} ({sub[0]['seeds']} seeds, {len(epochs)} epochs)")
+        seeds = next((r["seeds"] for r in sub if r["strategy"] == "random"), sub[0]["seeds"])
+        lines.append(f"{task} ({seeds} seeds of random, {len(epochs)} epochs; each row's own in 'reached')")
         head = f"  {'strategy':<22} {'reached':>7} {'time to target, wall':>22} {'CPU':>22}"
         head += "".join(f" {'epoch ' + str(e) + ' loss vs random':>28}" for e in epochs)
         head += f" {'pairs again':>12} {'efficiency':>10}"
